@@ -1,0 +1,215 @@
+"""The training engine: what ``partita.initialize`` returns.
+
+It reads like the training loop it serves:
+
+    loss = engine(batch)        # forward (inputs cast to the compute dtype)
+    engine.backward(loss)       # scale, backward, reduce gradients into fp32 partitions
+    engine.step()               # at the accumulation boundary: unscale, clip, step, LR
+
+Everything sharded lives in the ZeRO pieces (:mod:`partita.zero`); the engine only
+sequences them and keeps the counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from partita.config import BatchSizes
+from partita.distributed.topology import Topology
+from partita.step_log import StepLogger
+from partita.zero.api import ZeroState
+
+logger = logging.getLogger("partita")
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+class Engine:
+    """Runs forward, backward and step for one model under ZeRO data parallelism.
+
+    Attribute access that the engine does not define falls through to the wrapped
+    module, as in DeepSpeed (``engine.generate(...)`` calls ``engine.module.generate``).
+    """
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        zero: ZeroState,
+        batch: BatchSizes,
+        topology: Topology,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        loss_scaler=None,
+        lr_scheduler=None,
+        config=None,
+        training_dataloader=None,
+    ) -> None:
+        self.module = module
+        self.zero = zero
+        self.optimizer = zero.optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.topology = topology
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.config = config
+        self.training_dataloader = training_dataloader
+        self._batch = batch
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+        self._backward_pending = False
+        self._step_log = StepLogger(
+            steps_per_print=config.steps_per_print if config is not None else 10,
+            wall_clock_breakdown=config.wall_clock_breakdown if config is not None else False,
+            device=device,
+            is_logging_rank=topology.rank == 0,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails; forward to the module like DeepSpeed.
+        if name in {"module", "__setstate__"}:
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    # ------------------------------------------------------------------ batch sizes
+    def train_batch_size(self) -> int:
+        return self._batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True while computing the last micro-batch of an accumulation window."""
+        return (self.micro_steps + 1) % self._batch.gradient_accumulation_steps == 0
+
+    # ------------------------------------------------------------------ modes
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the loop
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; floating-point tensor inputs are cast to the compute dtype."""
+        if self.compute_dtype != torch.float32:
+            args, kwargs = _cast_floating(args, self.compute_dtype), _cast_floating(kwargs, self.compute_dtype)
+        with self._step_log.timer("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of one micro-batch's loss; gradients of the window's last micro-batch
+        (every micro-batch under ZeRO-2) are reduced across ranks before this returns."""
+        if self._backward_pending:
+            raise RuntimeError(
+                "engine.backward() was called twice without engine.step() in between; "
+                "call engine.step() after every engine.backward() (it only updates at the "
+                "gradient-accumulation boundary)"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"engine.backward() needs a scalar loss tensor, got {shape}; reduce it with .mean()")
+        if not loss.requires_grad:
+            raise ValueError(
+                "engine.backward() got a loss that does not require grad: was the forward run under "
+                "torch.no_grad() or with engine.eval()-only code?"
+            )
+        self._step_log.observe_loss(loss)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        scaled = loss.float() * (scale / self._batch.gradient_accumulation_steps)
+        reducer = self.zero.reducer
+        reduce_now = self.is_gradient_accumulation_boundary() or reducer.wants_reduction_every_micro_batch()
+        with self._step_log.timer("backward"):
+            reducer.begin_backward(reduce=reduce_now)
+            scaled.backward(retain_graph=retain_graph)
+            reducer.finish_backward()
+        self._backward_pending = True
+        return loss
+
+    def step(self) -> None:
+        """End one micro-batch; at the accumulation boundary update the weights."""
+        if not self._backward_pending:
+            raise RuntimeError("engine.step() was called without engine.backward(loss) for this micro-batch")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._backward_pending = False
+        self.micro_steps += 1
+        self._step_applied = False
+        if not boundary:
+            return
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        with self._step_log.timer("step"):
+            result = self.optimizer.step(loss_scale=scale, received=self.zero.reducer.take_received())
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not result.applied)
+        self._global_grad_norm = result.grad_norm
+        self._step_applied = result.applied
+        if result.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            if self.loss_scaler is None:
+                logger.warning(
+                    "step %d skipped: the gradient norm is %s (inf/nan in the gradients)",
+                    self.global_steps + 1,
+                    result.grad_norm,
+                )
+        self.global_steps += 1
+        self.global_samples += self._batch.train_batch_size
+        self._step_log.end_step(self)
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (model ``.grad`` and the fp32 partitions)."""
+        for group in self.optimizer.groups:
+            for param in group.params:
+                param.grad = None
+        self.optimizer.zero_grad()
+        self.zero.reducer.take_received()
+        self._backward_pending = False
+
+    # ------------------------------------------------------------------ queries
+    def get_global_grad_norm(self) -> float | None:
+        """Global L2 norm of the unscaled gradients at the last optimizer step, before clipping."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0

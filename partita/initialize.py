@@ -1,0 +1,231 @@
+"""``partita.initialize``: DeepSpeed's entry point, same arguments, same return value.
+
+Order matters and is deliberate:
+1. parse and validate the config (cheap, identical on every rank, so a mistake fails
+   everywhere before any process group or memory is touched);
+2. start torch.distributed, then resolve the batch triple with the real data-parallel
+   size (DeepSpeed resolves it before and gets ``ws=1``, its issue #3228);
+3. move and cast the model, broadcast rank 0's weights so every rank starts equal;
+4. build ZeRO, the inner optimizer, the LR scheduler, the loss scaler, the data loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import warnings
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.config import PartitaConfig, load_config, resolve_batch_sizes
+from partita.data.sampler import ResumableDistributedSampler
+from partita.distributed.init import current_device, init_distributed
+from partita.distributed.topology import Topology, build_topology
+from partita.engine import Engine
+from partita.optim.factory import build_optimizer
+from partita.optim.schedulers import build_scheduler
+from partita.param_groups import normalize_param_groups
+from partita.precision.loss_scaler import build_loss_scaler
+from partita.zero.api import apply_zero
+
+logger = logging.getLogger("partita")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    collate_fn: Callable | None = None,
+    config: dict | str | os.PathLike | None = None,
+    config_params: dict | str | None = None,
+) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
+    """Wrap a model for ZeRO data-parallel training.
+
+    Args:
+        args: optional argparse namespace; its ``deepspeed_config`` is used when ``config`` is None.
+        model: the ``nn.Module`` to train.
+        optimizer: a torch optimizer over the model's parameters (its param groups and
+            hyperparameters are kept; its parameters are replaced by fp32 master
+            partitions), or a callable ``f(param_groups) -> Optimizer``, or None to build
+            the one in the config's ``optimizer`` section.
+        model_parameters: parameters or param-group dicts to train (default: all of the model's).
+        training_data: a map-style dataset; a distributed, resumable data loader is returned.
+        lr_scheduler: a scheduler instance, a callable ``f(optimizer) -> scheduler``, or
+            None for the config's ``scheduler`` section.
+        mpu: model-parallel unit; not supported yet.
+        collate_fn: collate function for the data loader.
+        config: a dict or the path of a DeepSpeed-style JSON file.
+        config_params: DeepSpeed's older name for ``config``.
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``, as DeepSpeed's ``initialize``.
+    """
+    cfg = load_config(_pick_config(args, config, config_params))
+    if model is None or not isinstance(model, nn.Module):
+        raise ValueError(f"initialize() needs model=<torch.nn.Module>, got {type(model).__name__}")
+    if mpu is not None:
+        raise NotImplementedError("model parallelism (mpu=...) is not implemented yet in partita")
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ValueError(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' section; "
+            "keep one: remove the section or drop the optimizer argument"
+        )
+    if optimizer is None and cfg.optimizer is None:
+        raise ValueError(
+            "no optimizer: pass optimizer=<torch optimizer or callable> to initialize() or add an "
+            "'optimizer' section to the config, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}"
+        )
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ValueError(
+            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one"
+        )
+
+    init_distributed(backend=cfg.distributed.backend, timeout_seconds=cfg.distributed.timeout_seconds)
+    device = current_device()
+    topology = build_topology(device_type=device.type)
+    batch = resolve_batch_sizes(cfg, dp_world_size=topology.data_size)
+    if cfg.seed is not None:
+        _seed_everything(cfg.seed)
+    _configure_logging(topology)
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        source_groups = optimizer.param_groups
+    elif model_parameters is not None:
+        source_groups = model_parameters
+    else:
+        source_groups = model.parameters()
+    param_groups = normalize_param_groups(source_groups, model)
+
+    compute_dtype = _DTYPES[cfg.precision]
+    _place_model(model, device=device, dtype=compute_dtype, topology=topology)
+
+    zero = apply_zero(
+        model,
+        param_groups,
+        config=cfg.zero_optimization,
+        topology=topology,
+        gradient_clipping=cfg.gradient_clipping,
+        build_inner_optimizer=_inner_optimizer_factory(optimizer, cfg, device.type),
+    )
+    inner = zero.optimizer.inner
+    scheduler = _build_scheduler(lr_scheduler, cfg, inner)
+    loss_scaler = build_loss_scaler(cfg.fp16) if cfg.precision == "fp16" else None
+    dataloader = _build_dataloader(training_data, collate_fn, batch.micro_batch_size, topology, cfg)
+    engine = Engine(
+        module=model,
+        zero=zero,
+        batch=batch,
+        topology=topology,
+        device=device,
+        compute_dtype=compute_dtype,
+        loss_scaler=loss_scaler,
+        lr_scheduler=scheduler,
+        config=cfg,
+        training_dataloader=dataloader,
+    )
+    return engine, zero.optimizer, dataloader, scheduler
+
+
+def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
+    chosen = [c for c in (config, config_params) if c is not None]
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None:
+        chosen.append(from_args)
+    if len(chosen) > 1:
+        raise ValueError("the config was given more than once (config=, config_params=, args.deepspeed_config); give it once")
+    if not chosen:
+        raise ValueError("initialize() needs config=<dict or path to a DeepSpeed-style .json file>")
+    return chosen[0]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _configure_logging(topology: Topology) -> None:
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[partita rank {topology.rank}] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if topology.rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+@torch.no_grad()
+def _place_model(model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology) -> None:
+    """Move to the device, cast to the compute dtype, and make every rank hold rank 0's weights.
+
+    ``module.to`` swaps ``param.data`` in place, so the Parameter objects (and any
+    optimizer built over them) survive the move.
+    """
+    model.to(device=device)
+    if dtype != torch.float32:
+        model.to(dtype=dtype)
+    if topology.data_size > 1:
+        # Like DDP: ranks may have initialised differently (different seeds); rank 0 wins.
+        src = dist.get_global_rank(topology.data_group, 0)
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=src, group=topology.data_group)
+
+
+def _inner_optimizer_factory(optimizer: Any, cfg: PartitaConfig, device_type: str):
+    def build(master_groups: list[dict]) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer.state:
+                warnings.warn(
+                    "the optimizer passed to initialize() already has state (it has stepped); partita "
+                    "restarts it on the fp32 master weights"
+                )
+            # Keep the user's instance (and any scheduler bound to it): its groups become the
+            # master groups, which carry every option of the original groups.
+            optimizer.param_groups[:] = master_groups
+            optimizer.state.clear()
+            return optimizer
+        if callable(optimizer):
+            built = optimizer(master_groups)
+            if not isinstance(built, torch.optim.Optimizer):
+                raise ValueError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+            return built
+        return build_optimizer(cfg.optimizer, master_groups, device_type=device_type)
+
+    return build
+
+
+def _build_scheduler(lr_scheduler: Any, cfg: PartitaConfig, inner: torch.optim.Optimizer) -> Any:
+    if lr_scheduler is None:
+        return build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
+    if hasattr(lr_scheduler, "step") and not isinstance(lr_scheduler, type):
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(inner)
+    raise ValueError(f"lr_scheduler must be a scheduler or a callable, got {type(lr_scheduler).__name__}")
+
+
+def _build_dataloader(training_data, collate_fn, micro_batch: int, topology: Topology, cfg: PartitaConfig):
+    if training_data is None:
+        return None
+    sampler = ResumableDistributedSampler(
+        training_data,
+        num_replicas=topology.data_size,
+        rank=topology.data_rank,
+        shuffle=True,
+        seed=cfg.seed or 0,
+        drop_last=True,
+    )
+    return torch.utils.data.DataLoader(
+        training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=True
+    )

@@ -1,0 +1,1 @@
+"""ZeRO data parallelism: partition math, gradient reducer, sharded optimizer, stage policy."""

@@ -1,0 +1,84 @@
+"""``apply_zero``: put a model's trainable parameters under ZeRO data parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from partita.distributed.topology import Topology
+from partita.param_groups import registration_index
+from partita.zero.config import ZeroConfig
+from partita.zero.policy import ZeroPolicy
+from partita.zero.reducer import GradientReducer
+from partita.zero.shard_group import ShardedParamGroup
+from partita.zero.sharded_optimizer import ShardedOptimizer
+
+InnerOptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroState:
+    """The pieces ``apply_zero`` built; the engine drives them."""
+
+    policy: ZeroPolicy
+    optimizer: ShardedOptimizer
+    reducer: GradientReducer
+
+
+def apply_zero(
+    module: nn.Module,
+    param_groups: list[dict],
+    *,
+    config: ZeroConfig,
+    topology: Topology,
+    gradient_clipping: float,
+    build_inner_optimizer: InnerOptimizerFactory,
+) -> ZeroState:
+    """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
+
+    Args:
+        module: the model, already on its device and in its compute dtype; its
+            parameters must be identical on every rank (the engine broadcasts them).
+        param_groups: normalised groups (see :func:`partita.param_groups.normalize_param_groups`).
+        config: the ``zero_optimization`` section.
+        topology: process topology; only the data axis is used.
+        gradient_clipping: max global gradient norm, 0 for none.
+        build_inner_optimizer: called with ``[{"params": [master], **options}, ...]`` (one
+            flat fp32 master tensor per group) and returns the torch optimizer that steps them.
+    """
+    policy = ZeroPolicy.for_stage(config.stage)
+    num_shards = policy.num_shards(topology.data_size)
+    shard_rank = topology.data_rank if num_shards > 1 else 0  # stage 0: every rank owns everything
+    order = registration_index(module)
+    groups = []
+    for raw in param_groups:
+        # Layout order = reverse registration order, the order backward produces
+        # gradients in, so reduce buckets fill front to back (see reducer.py).
+        params = sorted(raw["params"], key=lambda p: -order[p])
+        options = {k: v for k, v in raw.items() if k != "params"}
+        groups.append(
+            ShardedParamGroup(params, options=options, num_shards=num_shards, shard_rank=shard_rank)
+        )
+    inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
+    optimizer = ShardedOptimizer(
+        groups,
+        inner,
+        process_group=topology.data_group,
+        world_size=topology.data_size,
+        gradient_clipping=gradient_clipping,
+        allgather_bucket_numel=config.allgather_bucket_size,
+    )
+    reducer = GradientReducer(
+        groups,
+        order,
+        process_group=topology.data_group,
+        world_size=topology.data_size,
+        bucket_numel=config.reduce_bucket_size,
+        reduce_every_micro_batch=policy.shard_gradients,
+        use_reduce_scatter=config.reduce_scatter,
+        overlap_comm=config.overlap_comm is not False,
+    )
+    return ZeroState(policy=policy, optimizer=optimizer, reducer=reducer)

@@ -1,0 +1,84 @@
+"""The ``zero_optimization`` section: which ZeRO stage to run and how to bucket its traffic.
+
+Keys, meanings and defaults follow DeepSpeed 0.19. Keys for features partita lacks
+(offload, ZeRO-3 tuning, MiCS, ZeRO++) are refused by the loader with an explanation
+(see ``partita.config.unsupported``) rather than listed here.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from partita.config.base import JsonInt, StrictSection
+
+
+class ZeroConfig(StrictSection):
+    """ZeRO data parallelism: shard optimizer state (stage 1) and gradients (stage 2)."""
+
+    auto_fields: ClassVar[frozenset[str]] = frozenset({"reduce_bucket_size", "allgather_bucket_size"})
+
+    stage: JsonInt = Field(
+        0,
+        description=(
+            "ZeRO stage. 0: plain data parallelism (every rank keeps full optimizer state); "
+            "1: optimizer state sharded across data-parallel ranks; 2: optimizer state and "
+            "gradients sharded. DeepSpeed default 0. Stage 3 (parameters sharded) is not "
+            "implemented yet."
+        ),
+    )
+    overlap_comm: bool | None = Field(
+        None,
+        description=(
+            "Overlap gradient reduction with the backward pass. DeepSpeed default null, which "
+            "DeepSpeed reads as true for stage 3 only (false for stages 0-2)."
+        ),
+    )
+    contiguous_gradients: bool = Field(
+        True,
+        description=(
+            "Copy gradients into one contiguous buffer as they are produced, to avoid memory "
+            "fragmentation. DeepSpeed default true."
+        ),
+    )
+    reduce_bucket_size: JsonInt = Field(
+        500_000_000,
+        gt=0,
+        description=(
+            "Number of gradient elements reduced in one collective. Larger buckets use the "
+            "network better and need more memory. DeepSpeed default 5e8; \"auto\" means the default."
+        ),
+    )
+    allgather_bucket_size: JsonInt = Field(
+        500_000_000,
+        gt=0,
+        description=(
+            "Number of parameter elements gathered in one all-gather after the sharded "
+            "optimizer step. DeepSpeed default 5e8; \"auto\" means the default."
+        ),
+    )
+    reduce_scatter: bool = Field(
+        True,
+        description=(
+            "Reduce gradients with reduce-scatter (each rank receives only its shard) instead "
+            "of all-reduce. DeepSpeed default true."
+        ),
+    )
+
+    @field_validator("stage")
+    @classmethod
+    def _implemented_stage(cls, value: int) -> int:
+        if value == 3:
+            raise PydanticCustomError(
+                "zero_stage_not_implemented",
+                "ZeRO stage 3 is not implemented yet in partita; use stage 0, 1 or 2 "
+                "(stage 2 shards optimizer state and gradients)",
+            )
+        if value not in (0, 1, 2):
+            raise PydanticCustomError(
+                "zero_stage_range",
+                "ZeRO stage must be 0, 1 or 2 (DeepSpeed's stages are 0-3; stage 3 is not implemented yet)",
+            )
+        return value

@@ -1,0 +1,236 @@
+"""Gradient reduction for ZeRO stages 0-2: hooks, buckets, and one collective per bucket.
+
+[Note: bucket order]
+Parameters are ordered by *descending* registration index across all optimizer groups,
+which is roughly the order backward produces their gradients. Buckets are runs of that
+order of at most ``reduce_bucket_size`` elements. Bucket ``k`` is launched only after
+bucket ``k - 1``, so every rank issues the same collectives in the same order even when
+gradients arrive in a different order on different ranks, or some parameters get no
+gradient at all (those are reduced as zeros by :meth:`GradientReducer.finish_backward`).
+A rank can never deadlock the others by skipping a bucket.
+
+[Note: what each stage reduces]
+- stage 0 (``num_shards == 1``): ``all_reduce`` of the bucket; every rank keeps it all.
+- stages 1 and 2 (``num_shards == world``): ``reduce_scatter_tensor`` of the packed bucket;
+  each rank keeps its row (see :mod:`partita.zero.partition`).
+Stages 0 and 1 reduce only in the backward of the last micro-batch of an accumulation
+window (gradients accumulate in ``param.grad`` before that); stage 2 reduces in every
+micro-batch's backward and frees ``param.grad`` as soon as it is packed, so full-size
+gradients never outlive their bucket.
+On GPU the collectives run asynchronously on the process group's own stream while
+backward continues; their results are folded into the fp32 partitions at the end of
+backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.zero.collective_errors import explain_collective_failure
+from partita.zero.shard_group import ShardedParamGroup, pack_into_columns
+from partita.zero.partition import ShardSpec
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    group: int
+    spec: ShardSpec
+    column: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive entries of one group whose shards are contiguous in the partition."""
+
+    group: int
+    partition_start: int
+    column: int
+    numel: int
+
+
+@dataclass(slots=True)
+class _ReduceBucket:
+    entries: tuple[_Entry, ...]
+    runs: tuple[_Run, ...]
+    shard_numel: int
+    # Per-backward state.
+    packed: torch.Tensor | None = None
+    pending: set[int] = field(default_factory=set)
+    work: dist.Work | None = None
+    output: torch.Tensor | None = None
+
+
+def _runs(entries: list[_Entry]) -> tuple[_Run, ...]:
+    runs: list[_Run] = []
+    for e in entries:
+        last = runs[-1] if runs else None
+        if last and last.group == e.group and last.partition_start + last.numel == e.spec.partition_offset:
+            runs[-1] = _Run(last.group, last.partition_start, last.column, last.numel + e.spec.shard_numel)
+        else:
+            runs.append(_Run(e.group, e.spec.partition_offset, e.column, e.spec.shard_numel))
+    return tuple(runs)
+
+
+class GradientReducer:
+    """Turns the model's gradients into each rank's averaged fp32 gradient partition."""
+
+    def __init__(
+        self,
+        groups: list[ShardedParamGroup],
+        registration_index: dict[nn.Parameter, int],
+        *,
+        process_group: dist.ProcessGroup | None,
+        world_size: int,
+        bucket_numel: int,
+        reduce_every_micro_batch: bool,
+        use_reduce_scatter: bool = True,
+        overlap_comm: bool = True,
+    ) -> None:
+        self._groups = groups
+        self._process_group = process_group
+        self._world_size = world_size
+        self._num_shards = groups[0].layout.num_shards
+        self._reduce_every_micro_batch = reduce_every_micro_batch
+        self._use_reduce_scatter = use_reduce_scatter
+        self._overlap_comm = overlap_comm
+        self._shard_rank = groups[0].shard_rank
+        self._buckets = self._build_buckets(registration_index, bucket_numel)
+        self._bucket_of: dict[nn.Parameter, tuple[int, int]] = {}
+        for b, bucket in enumerate(self._buckets):
+            for i, entry in enumerate(bucket.entries):
+                self._bucket_of[groups[entry.group].params[entry.spec.index]] = (b, i)
+        self._armed = False
+        self._next_launch = 0
+        # Which parameters got a gradient on this rank since the last optimizer step.
+        self._received = [[False] * len(g.params) for g in groups]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+
+    def _build_buckets(self, registration_index: dict[nn.Parameter, int], bucket_numel: int) -> list[_ReduceBucket]:
+        ordered = sorted(
+            ((g, spec) for g, group in enumerate(self._groups) for spec in group.layout.specs),
+            key=lambda gs: -registration_index[self._groups[gs[0]].params[gs[1].index]],
+        )
+        buckets: list[_ReduceBucket] = []
+        current: list[_Entry] = []
+        current_numel = column = 0
+        for g, spec in ordered:
+            if current and current_numel + spec.numel > bucket_numel:
+                buckets.append(_ReduceBucket(tuple(current), _runs(current), column))
+                current, current_numel, column = [], 0, 0
+            current.append(_Entry(g, spec, column))
+            current_numel += spec.numel
+            column += spec.shard_numel
+        if current:
+            buckets.append(_ReduceBucket(tuple(current), _runs(current), column))
+        return buckets
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def begin_backward(self, *, reduce: bool) -> None:
+        """Arm the hooks for one backward pass; ``reduce`` says whether this pass reduces."""
+        self._armed = reduce
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.pending = set(range(len(bucket.entries)))
+            bucket.packed = None
+            bucket.work = None
+            bucket.output = None
+
+    def wants_reduction_every_micro_batch(self) -> bool:
+        return self._reduce_every_micro_batch
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return  # accumulate in param.grad until the last micro-batch of the window
+        b, i = self._bucket_of[param]
+        bucket = self._buckets[b]
+        if i not in bucket.pending:
+            # The gradient was already packed (and maybe sent) in this backward: reentrant
+            # activation checkpointing runs a nested backward per checkpointed region.
+            raise RuntimeError(
+                "partita: a parameter's gradient became ready twice in one backward pass; this happens "
+                "with reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)). "
+                "Use use_reentrant=False."
+            )
+        self._pack(bucket, i, param.grad)
+        param.grad = None  # the bucket holds it now; free the full-size gradient
+        bucket.pending.discard(i)
+        self._launch_ready_buckets()
+
+    def _pack(self, bucket: _ReduceBucket, i: int, grad: torch.Tensor | None) -> None:
+        entry = bucket.entries[i]
+        if grad is not None:
+            self._received[entry.group][entry.spec.index] = True
+        if bucket.packed is None:
+            like = self._groups[entry.group].params[entry.spec.index]
+            bucket.packed = torch.empty((self._num_shards, bucket.shard_numel), dtype=like.dtype, device=like.device)
+        pack_into_columns(bucket.packed, entry.column, entry.spec, grad)
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self._buckets) and not self._buckets[self._next_launch].pending:
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _ReduceBucket) -> None:
+        with explain_collective_failure(f"gradient reduction (bucket {self._next_launch} of {len(self._buckets)})"):
+            self._launch_collective(bucket)
+
+    def _launch_collective(self, bucket: _ReduceBucket) -> None:
+        packed = bucket.packed
+        if self._world_size == 1:
+            bucket.output = packed[0]
+        elif self._num_shards == 1 or not self._use_reduce_scatter:
+            # zero_optimization.reduce_scatter=false: all-reduce everything, keep our row.
+            bucket.work = dist.all_reduce(packed, group=self._process_group, async_op=True)
+            bucket.output = packed[0] if self._num_shards == 1 else packed[self._shard_rank]
+        else:
+            bucket.output = torch.empty(bucket.shard_numel, dtype=packed.dtype, device=packed.device)
+            bucket.work = dist.reduce_scatter_tensor(
+                bucket.output, packed.view(-1), group=self._process_group, async_op=True
+            )
+        if bucket.work is not None and not self._overlap_comm:
+            bucket.work.wait()  # overlap_comm=false: finish each collective before backward goes on
+            bucket.work = None
+
+    def finish_backward(self) -> None:
+        """Reduce what backward left (parameters that got no gradient count as zeros),
+        wait for every collective, and add the averaged results into the fp32 partitions."""
+        if not self._armed:
+            return
+        for bucket in self._buckets[self._next_launch :]:
+            for i in sorted(bucket.pending):
+                entry = bucket.entries[i]
+                param = self._groups[entry.group].params[entry.spec.index]
+                # Gradients accumulated by earlier micro-batches but untouched by this
+                # backward still count (stage 0/1 windows); the rest are zeros.
+                self._pack(bucket, i, param.grad)
+                param.grad = None
+            bucket.pending.clear()
+        self._launch_ready_buckets()
+        scale = 1.0 / self._world_size
+        for b, bucket in enumerate(self._buckets):
+            if bucket.work is not None:
+                with explain_collective_failure(f"gradient reduction (bucket {b} of {len(self._buckets)})"):
+                    bucket.work.wait()
+            for run in bucket.runs:
+                reduced = bucket.output[run.column : run.column + run.numel]
+                self._groups[run.group].accumulate_grad(run.partition_start, reduced, scale=scale)
+            bucket.packed = bucket.output = bucket.work = None
+        self._armed = False
+
+    def take_received(self) -> list[list[bool]]:
+        """Per group and parameter: did this rank produce a gradient since the last call?"""
+        received = self._received
+        self._received = [[False] * len(g.params) for g in self._groups]
+        return received
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

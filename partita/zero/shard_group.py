@@ -1,0 +1,92 @@
+"""One optimizer parameter group under ZeRO: its model parameters, their shard layout, and
+this rank's fp32 master partition with its gradient accumulator.
+
+The packing helpers move data between full-size model tensors and the bucket layout of
+:mod:`partita.zero.partition`: a ``(num_shards, bucket_shard_numel)`` matrix whose row ``r``
+is what rank ``r`` owns. ``reduce_scatter_tensor`` on such a matrix leaves each rank its
+row; ``all_gather_into_tensor`` of each rank's row rebuilds it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from partita.zero.partition import ShardLayout, ShardSpec
+
+
+def pack_into_columns(out: torch.Tensor, column: int, spec: ShardSpec, full: torch.Tensor | None) -> None:
+    """Write a full-size tensor (a gradient) into its columns of a packed bucket matrix.
+
+    ``full=None`` (a parameter that received no gradient) writes zeros, so every rank
+    still contributes to every collective and ranks never disagree about what is reduced.
+    """
+    columns = out[:, column : column + spec.shard_numel]
+    if full is None:
+        columns.zero_()
+        return
+    flat = full.detach().reshape(-1)
+    padded_numel = spec.shard_numel * out.shape[0]
+    if padded_numel != spec.numel:
+        flat = torch.nn.functional.pad(flat, (0, padded_numel - spec.numel))
+    columns.copy_(flat.view(out.shape[0], spec.shard_numel))
+
+
+def unpack_from_columns(gathered: torch.Tensor, column: int, spec: ShardSpec, param: torch.Tensor) -> None:
+    """Copy a parameter's columns of a gathered bucket matrix back into the full parameter."""
+    columns = gathered[:, column : column + spec.shard_numel]
+    param.data.view(-1).copy_(columns.reshape(-1)[: spec.numel])
+
+
+class ShardedParamGroup:
+    """The parameters of one optimizer group and this rank's fp32 share of them.
+
+    Attributes:
+        params: the model's parameters in layout order (never modified in identity or keys).
+        layout: where each parameter's shard lives.
+        master: this rank's fp32 master partition; the inner optimizer updates it.
+        options: per-group optimizer options (lr, weight_decay, ...) given by the user.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        *,
+        options: dict,
+        num_shards: int,
+        shard_rank: int,
+    ) -> None:
+        self.params = list(params)
+        self.options = dict(options)
+        self.shard_rank = shard_rank
+        self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards)
+        device = self.params[0].device
+        self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+        self.master.grad = torch.zeros_like(self.master)
+        self.load_master_from_params()
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    def owned_slices(self):
+        """Yield ``(param, spec, (start, end))`` for the elements this rank owns of each parameter."""
+        for param, spec in zip(self.params, self.layout.specs):
+            yield param, spec, spec.owned_range(self.shard_rank)
+
+    def load_master_from_params(self) -> None:
+        """Set the master partition from the current model parameters (padding stays zero)."""
+        with torch.no_grad():
+            for param, spec, (start, end) in self.owned_slices():
+                piece = self.master[spec.partition_offset : spec.partition_offset + (end - start)]
+                piece.copy_(param.detach().reshape(-1)[start:end])
+
+    def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
+        """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
+        target = self.master.grad[partition_start : partition_start + reduced.numel()]
+        target.add_(reduced.to(torch.float32), alpha=scale)
+
+    def zero_grad(self) -> None:
+        self.master.grad.zero_()

@@ -1,0 +1,175 @@
+"""The sharded optimizer: fp32 master partitions, one inner torch optimizer, and the step
+epilogue shared by every ZeRO stage (global norm, overflow, unscale + clip, parameter
+write-back).
+
+The inner optimizer is a plain ``torch.optim.Optimizer`` whose parameter groups hold one
+flat fp32 master tensor each, so a fused optimizer makes one call per group over this
+rank's whole partition. LR schedulers drive its ``param_groups`` as usual.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from partita.zero.collective_errors import explain_collective_failure
+from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step did.
+
+    Attributes:
+        applied: False when the step was skipped because a gradient was inf/nan.
+        grad_norm: global L2 norm of the unscaled gradients, before clipping.
+    """
+
+    applied: bool
+    grad_norm: float
+
+
+class ShardedOptimizer:
+    """Owns the master partitions and runs the optimizer step on them.
+
+    Args:
+        groups: the ZeRO parameter groups (all with the same number of shards).
+        inner: a torch optimizer whose i-th param group holds ``groups[i].master``.
+        process_group: the data-parallel group.
+        world_size: data-parallel size.
+        gradient_clipping: max global norm; 0 disables clipping.
+        allgather_bucket_numel: elements per all-gather when writing parameters back.
+    """
+
+    def __init__(
+        self,
+        groups: list[ShardedParamGroup],
+        inner: torch.optim.Optimizer,
+        *,
+        process_group: dist.ProcessGroup | None,
+        world_size: int,
+        gradient_clipping: float,
+        allgather_bucket_numel: int,
+    ) -> None:
+        self.groups = groups
+        self.inner = inner
+        self._process_group = process_group
+        self._world_size = world_size
+        self._num_shards = groups[0].layout.num_shards
+        self._clip = gradient_clipping
+        self._gather_buckets = [g.layout.buckets(allgather_bucket_numel) for g in groups]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's param groups (lr, weight_decay, ...), as torch exposes them."""
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.zero_grad()
+
+    def _reduce_norm_and_usage(self, received: list[list[bool]]) -> tuple[float, list[list[bool]]]:
+        """One all-reduce for both the global squared norm and which parameters got a
+        gradient on any rank (they are summed: > 0 means someone produced one)."""
+        device = self.groups[0].master.device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for group in self.groups:
+            local += torch.linalg.vector_norm(group.master.grad, dtype=torch.float32).square()
+        if self._num_shards == 1 and self._world_size > 1 and dist.get_rank(self._process_group) != 0:
+            local.zero_()  # replicated gradients: count them once, not world_size times
+        flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
+        packed = torch.cat([local.reshape(1), flags.to(device)])
+        if self._world_size > 1:
+            with explain_collective_failure("gradient-norm all-reduce in the optimizer step"):
+                dist.all_reduce(packed, group=self._process_group)
+        values = packed.tolist()
+        used, i = [], 1
+        for group in self.groups:
+            used.append([v > 0 for v in values[i : i + len(group.params)]])
+            i += len(group.params)
+        return values[0], used
+
+    def step(self, *, loss_scale: float, received: list[list[bool]]) -> StepResult:
+        """Unscale, clip, step and write the new weights back into the model.
+
+        Args:
+            loss_scale: the scale the loss was multiplied by before backward.
+            received: per group and parameter, whether this rank produced a gradient.
+
+        An inf/nan anywhere (on any rank) skips the step on every rank: the norm is
+        all-reduced, so all ranks see the same non-finite value and decide alike.
+        Parameters that got no gradient on any rank keep their weights and optimizer
+        moments, as torch optimizers skip parameters whose ``grad`` is None (a flat
+        partition would otherwise apply weight decay and moment decay to them).
+        """
+        norm_sq, used = self._reduce_norm_and_usage(received)
+        norm = math.sqrt(norm_sq) / loss_scale
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return StepResult(applied=False, grad_norm=norm)
+        multiplier = 1.0 / loss_scale
+        if self._clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly.
+            multiplier *= min(1.0, self._clip / (norm + 1e-6))
+        if multiplier != 1.0:
+            for group in self.groups:
+                group.master.grad.mul_(multiplier)
+        kept = self._save_unused(used)
+        self.inner.step()
+        self._restore_unused(kept)
+        self.zero_grad()
+        self.write_back_params()
+        return StepResult(applied=True, grad_norm=norm)
+
+    def _tensors_of(self, group: ShardedParamGroup) -> list[torch.Tensor]:
+        """The master partition and every optimizer-state tensor laid out like it."""
+        state = self.inner.state.get(group.master, {})
+        return [group.master] + [t for t in state.values() if torch.is_tensor(t) and t.shape == group.master.shape]
+
+    def _save_unused(self, used: list[list[bool]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        kept = []
+        for group, group_used in zip(self.groups, used):
+            for spec, was_used in zip(group.layout.specs, group_used):
+                if was_used:
+                    continue
+                lo, hi = spec.partition_offset, spec.partition_offset + spec.shard_numel
+                kept.extend((t, lo, t[lo:hi].clone()) for t in self._tensors_of(group))
+        return kept
+
+    @staticmethod
+    @torch.no_grad()
+    def _restore_unused(kept: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+        for tensor, lo, saved in kept:
+            tensor[lo : lo + saved.numel()].copy_(saved)
+
+    @torch.no_grad()
+    def write_back_params(self) -> None:
+        """Copy the updated master partitions into the model's parameters on every rank."""
+        for group, buckets in zip(self.groups, self._gather_buckets):
+            low_precision = group.master.to(group.model_dtype)
+            for bucket in buckets:
+                mine = low_precision[bucket.partition_start : bucket.partition_end]
+                if self._num_shards == 1:
+                    gathered = mine.view(1, -1)
+                else:
+                    gathered = torch.empty(
+                        (self._num_shards, bucket.shard_numel), dtype=mine.dtype, device=mine.device
+                    )
+                    with explain_collective_failure("parameter all-gather after the optimizer step"):
+                        dist.all_gather_into_tensor(gathered.view(-1), mine, group=self._process_group)
+                for spec in group.layout.specs[bucket.first : bucket.last]:
+                    column = spec.partition_offset - bucket.partition_start
+                    unpack_from_columns(gathered, column, spec, group.params[spec.index])
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])

@@ -1,0 +1,101 @@
+"""Run a test body on N spawned CPU processes (gloo) and fail on a hang.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes with the
+torchrun environment variables set (so ``partita.initialize`` starts gloo by itself),
+calls ``fn(*args)`` in each, and returns the per-rank results in rank order. An
+exception in any rank fails the test with that rank's traceback; a rank that does not
+finish within ``timeout`` seconds fails it as a hang, and every process is killed.
+``fn`` must be a module-level function (it is pickled by name for ``spawn``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_lib
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: mp.Queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        value = fn(*args)
+        # Plain pickle copies tensors by value; torch's shared-memory reducer would hand
+        # the parent file descriptors that vanish when this process exits.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, expect_dead: frozenset[int] = frozenset()
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order.
+
+    Ranks in ``expect_dead`` are allowed to exit without reporting (tests of a rank that
+    dies); their result is None.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        must_report = set(range(world_size)) - set(expect_dead)
+        while not must_report <= set(outcome):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(must_report - set(outcome))
+                raise TimeoutError(f"hang: ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue_lib.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in outcome and r not in expect_dead
+                ]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                continue
+            outcome[rank] = (ok, pickle.loads(value) if ok else value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = [(r, v) for r, (ok, v) in sorted(outcome.items()) if not ok]
+    if failures:
+        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
+        raise AssertionError(f"{len(failures)} rank(s) failed:\n{detail}")
+    return [outcome[r][1] if r in outcome else None for r in range(world_size)]
