@@ -1,0 +1,177 @@
+"""The whole config: :class:`PartitaConfig`, one field per DeepSpeed top-level key.
+
+Build it with :func:`partita.config.load_config`, which reports every mistake at once with
+the key path and a fix; constructing the model directly validates too, with plainer errors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
+from pydantic_core import PydanticCustomError
+
+from partita.config.base import JsonInt, Problem, StrictSection
+from partita.distributed.config import DistributedConfig
+from partita.optim.config import OptimizerConfig, SchedulerConfig
+from partita.precision.config import BF16Config, FP16Config
+from partita.zero.config import ZeroConfig
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+# Skips the model-level cross check when the loader has already reported it from the raw dict.
+CROSS_CHECKED = "partita_cross_checked"
+
+
+class PartitaConfig(StrictSection):
+    """A validated DeepSpeed-style training config.
+
+    ``to_dict()`` returns the config exactly as given (before "auto" was resolved), which is
+    what checkpoints record.
+    """
+
+    auto_fields: ClassVar[frozenset[str]] = frozenset(
+        {
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "steps_per_print",
+            "wall_clock_breakdown",
+        }
+    )
+    key_aliases: ClassVar[Mapping[str, str]] = {"bfloat16": "bf16"}
+
+    train_batch_size: JsonInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Samples per optimizer step over all data-parallel ranks: micro-batch x "
+            "gradient_accumulation_steps x ranks. DeepSpeed default null (inferred from the "
+            "other two); \"auto\" means null."
+        ),
+    )
+    train_micro_batch_size_per_gpu: JsonInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Samples each rank processes in one forward/backward. DeepSpeed default null "
+            "(inferred); \"auto\" means null."
+        ),
+    )
+    gradient_accumulation_steps: JsonInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Micro-batches whose gradients are summed before one optimizer step. DeepSpeed "
+            "default null (inferred, 1 when only one batch size is given); \"auto\" means null."
+        ),
+    )
+    optimizer: OptimizerConfig | None = Field(
+        None,
+        description=(
+            "The optimizer built by initialize(): {\"type\": ..., \"params\": {...}}. DeepSpeed "
+            "default null (the optimizer is passed to initialize())."
+        ),
+    )
+    scheduler: SchedulerConfig | None = Field(
+        None,
+        description=(
+            "The learning-rate schedule built by initialize(), stepped once per optimizer step. "
+            "DeepSpeed default null (no schedule, or one passed to initialize())."
+        ),
+    )
+    fp16: FP16Config = Field(
+        default_factory=FP16Config,
+        description="fp16 training and loss scaling. DeepSpeed default: disabled.",
+    )
+    bf16: BF16Config = Field(
+        default_factory=BF16Config,
+        description="bf16 training (DeepSpeed also reads the key \"bfloat16\"). DeepSpeed default: disabled.",
+    )
+    gradient_clipping: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Clip the global gradient norm to this value; 0 disables clipping. DeepSpeed 0.19 "
+            "default 1.0 (0.0 before DeepSpeed PR #8068); \"auto\" means the default."
+        ),
+    )
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig,
+        description="ZeRO stage and communication buckets. DeepSpeed default: stage 0.",
+    )
+    steps_per_print: JsonInt = Field(
+        10,
+        ge=1,
+        description="Log progress every this many optimizer steps. DeepSpeed documents 10.",
+    )
+    wall_clock_breakdown: bool = Field(
+        False,
+        description="Time forward, backward and step separately and log the split. DeepSpeed default false.",
+    )
+    seed: JsonInt | None = Field(
+        None,
+        ge=0,
+        description=(
+            "partita only: seed torch, numpy and random on every rank before the model is "
+            "placed. Default null (leave the generators alone)."
+        ),
+    )
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig,
+        description="partita only: process-group backend and collective timeout.",
+    )
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_precision(self, info: ValidationInfo) -> PartitaConfig:
+        if (info.context or {}).get(CROSS_CHECKED):
+            return self
+        problems = cross_section_problems(self.model_dump())
+        if problems:
+            raise PydanticCustomError("partita_cross_section", problems[0].message)
+        return self
+
+    @property
+    def precision(self) -> Precision:
+        """The compute precision: "bf16", "fp16", or "fp32" when neither is enabled."""
+        if self.bf16.enabled:
+            return "bf16"
+        if self.fp16.enabled:
+            return "fp16"
+        return "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as the user gave it (a deep copy), for checkpoints and logs."""
+        return copy.deepcopy(self._raw)
+
+
+def cross_section_problems(raw: Mapping[str, Any]) -> list[Problem]:
+    """Mistakes that involve more than one section, read leniently from a raw dict.
+
+    Runs on the raw input so these are reported together with every other problem, even
+    when some sections failed their own validation.
+    """
+    problems = []
+    if _enabled(raw.get("fp16")) and _enabled(raw.get("bf16")):
+        problems.append(
+            Problem(
+                path="fp16.enabled, bf16.enabled",
+                message=(
+                    "fp16 and bf16 are both enabled; a run trains in one precision. Set "
+                    "bf16.enabled to false to train in fp16, or fp16.enabled to false to train "
+                    "in bf16 (bf16 needs no loss scaling; prefer it on GPUs that support it)"
+                ),
+            )
+        )
+    return problems
+
+
+def _enabled(section: Any) -> bool:
+    if isinstance(section, Mapping):
+        return section.get("enabled") is True
+    return getattr(section, "enabled", False) is True

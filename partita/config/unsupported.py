@@ -1,0 +1,206 @@
+"""DeepSpeed settings that partita does not implement yet, and when they are harmless.
+
+A DeepSpeed config copied into partita may carry keys for features partita lacks
+(offload, ZeRO-3 tuning, monitors, pipeline parallelism, ...). Silently ignoring them
+would train something other than what the user asked for, so each one is rejected with
+a message that says so. A key set to DeepSpeed's own default has no effect in DeepSpeed
+either (``"tensorboard": {"enabled": false}``, ``"offload_optimizer": {"device": "none"}``,
+``"round_robin_gradients": false``, or ``"auto"``, which DeepSpeed drops), so it is
+accepted: those appear in many shared configs and mean "feature off".
+
+To support one of these keys, add a field to the owning section model and delete its
+entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from partita.config.base import format_value
+
+_ZERO = ("zero_optimization",)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """One DeepSpeed key partita lacks.
+
+    ``default`` is DeepSpeed's default. For a section it is a dict of the sub-keys whose
+    default values still mean "off"; a section holding only those (or ``{}``/null) is inert.
+    ``hint`` says what to do instead, when there is something better than deleting the key.
+    """
+
+    default: Any
+    hint: str = ""
+
+    def is_inert(self, value: Any) -> bool:
+        """True when the value changes nothing in DeepSpeed (its default, off, or "auto")."""
+        if value == "auto" and isinstance(value, str):
+            return True
+        if isinstance(self.default, dict):
+            if value is None:
+                return True
+            return isinstance(value, Mapping) and all(
+                key in self.default and same_value(item, self.default[key]) for key, item in value.items()
+            )
+        return same_value(value, self.default)
+
+    def harmless_form(self) -> str:
+        """The spelling of this key that is accepted, for the error message."""
+        if isinstance(self.default, dict):
+            return format_value({k: v for k, v in self.default.items() if k in ("enabled", "device")})
+        return format_value(self.default)
+
+    def message(self, path: str) -> str:
+        text = (
+            f"'{path}' is a DeepSpeed setting partita does not implement yet; remove it "
+            f"(the value {self.harmless_form()} has no effect and is accepted)"
+        )
+        return f"{text}. {self.hint}" if self.hint else text
+
+
+def same_value(value: Any, default: Any) -> bool:
+    """Equality that keeps true apart from 1 (Python says True == 1) and 5e8 equal to 500000000."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool) and value == default
+    if isinstance(default, Mapping):
+        return (
+            isinstance(value, Mapping)
+            and value.keys() <= default.keys()
+            and all(same_value(v, default[k]) for k, v in value.items())
+        )
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return value == default
+    return type(value) is type(default) and value == default
+
+
+def _off(**extra: Any) -> dict[str, Any]:
+    """A section that is inert when disabled: {"enabled": false} plus the given defaults."""
+    return {"enabled": False, **extra}
+
+
+_MONITOR = "Log metrics from your training loop meanwhile (engine.get_lr(), the loss you compute)."
+
+# Keyed by the path of the section that holds the key; () is the top level.
+UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
+    (): {
+        "activation_checkpointing": Unsupported(
+            {
+                "partition_activations": False,
+                "cpu_checkpointing": False,
+                "contiguous_memory_optimization": False,
+                "synchronize_checkpoint_boundary": False,
+                "profile": False,
+                "number_checkpoints": None,
+            },
+            "Wrap blocks with torch.utils.checkpoint.checkpoint in your model meanwhile.",
+        ),
+        "tensorboard": Unsupported(_off(), _MONITOR),
+        "wandb": Unsupported(_off(), _MONITOR),
+        "csv_monitor": Unsupported(_off(), _MONITOR),
+        "comet": Unsupported(_off(), _MONITOR),
+        "flops_profiler": Unsupported(_off(), "torch.utils.flop_counter.FlopCounterMode counts FLOPs meanwhile."),
+        "comms_logger": Unsupported(_off()),
+        "pipeline": Unsupported({}),
+        "checkpoint": Unsupported({"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False}),
+        "aio": Unsupported({}),
+        "data_types": Unsupported({"grad_accum_dtype": None}),
+        "communication_data_type": Unsupported(None),
+        "seq_parallel_communication_data_type": Unsupported("fp32"),
+        "gradient_predivide_factor": Unsupported(1.0),
+        "prescale_gradients": Unsupported(False),
+        "compile": Unsupported({"deepcompile": False}),
+        "tensor_parallel": Unsupported({}),
+        "elasticity": Unsupported(_off()),
+        "autotuning": Unsupported(_off()),
+        "amp": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
+        "torch_autocast": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
+        "sparse_attention": Unsupported({}),
+        "data_efficiency": Unsupported(_off()),
+        "curriculum_learning": Unsupported(_off()),
+        "progressive_layer_drop": Unsupported(_off()),
+        "eigenvalue": Unsupported(_off()),
+        "compression_training": Unsupported({}),
+        "hybrid_engine": Unsupported(_off()),
+        "nebula": Unsupported(_off()),
+        "moe": Unsupported(_off()),
+        "timers": Unsupported({"throughput": {"enabled": True, "synchronized": True}}),
+        "zero_allow_untested_optimizer": Unsupported(False),
+        "zero_force_ds_cpu_optimizer": Unsupported(True),
+        "memory_breakdown": Unsupported(False),
+        "dump_state": Unsupported(False),
+        "sparse_gradients": Unsupported(False),
+        "disable_allgather": Unsupported(False),
+        "fp32_allreduce": Unsupported(False),
+        "graph_harvesting": Unsupported(False),
+        "dataloader_drop_last": Unsupported(False),
+    },
+    _ZERO: {
+        "offload_optimizer": Unsupported({"device": "none"}),
+        "offload_param": Unsupported({"device": "none"}),
+        "cpu_offload": Unsupported(False),
+        "cpu_offload_params": Unsupported(False),
+        "cpu_offload_use_pin_memory": Unsupported(False),
+        "sub_group_size": Unsupported(1_000_000_000),
+        "stage3_prefetch_bucket_size": Unsupported(50_000_000),
+        "stage3_param_persistence_threshold": Unsupported(100_000),
+        "stage3_model_persistence_threshold": Unsupported(9_223_372_036_854_775_807),
+        "stage3_max_live_parameters": Unsupported(1_000_000_000),
+        "stage3_max_reuse_distance": Unsupported(1_000_000_000),
+        "stage3_gather_16bit_weights_on_model_save": Unsupported(False),
+        "stage3_gather_fp16_weights_on_model_save": Unsupported(False),
+        "stage3_module_granularity_threshold": Unsupported(0),
+        "stage3_use_all_reduce_for_fetch_params": Unsupported(False),
+        "zero_hpz_partition_size": Unsupported(1),
+        "zero_quantized_weights": Unsupported(False),
+        "zero_quantized_nontrainable_weights": Unsupported(False),
+        "zero_quantized_gradients": Unsupported(False),
+        "zeropp_loco_param": Unsupported(None),
+        "round_robin_gradients": Unsupported(False),
+        "elastic_checkpoint": Unsupported(False),
+        "mics_shard_size": Unsupported(-1),
+        "mics_hierarchical_params_gather": Unsupported(False),
+        "allgather_partitions": Unsupported(True),
+        "load_from_fp32_weights": Unsupported(True),
+        "ignore_unused_parameters": Unsupported(True),
+        "use_multi_rank_bucket_allreduce": Unsupported(True),
+        "legacy_stage1": Unsupported(False),
+        "memory_efficient_linear": Unsupported(True),
+        "pipeline_loading_checkpoint": Unsupported(False),
+        "override_module_apply": Unsupported(True),
+        "log_trace_cache_warnings": Unsupported(False),
+    },
+    ("fp16",): {
+        "auto_cast": Unsupported(False),
+        "fp16_master_weights_and_grads": Unsupported(False),
+    },
+    ("bf16",): {
+        "immediate_grad_update": Unsupported(False),
+        "check_grad_overflow": Unsupported(True),
+        "bf16_master_weights_and_grads": Unsupported(False),
+        "bf16_optimizer_states": Unsupported(False),
+    },
+}
+
+# Whole families of keys, for spellings newer DeepSpeed versions add.
+UNSUPPORTED_PREFIXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    _ZERO: ("stage3_", "mics_", "zero_quantized_", "offload_", "cpu_offload"),
+}
+
+
+def lookup(section: tuple[str, ...], key: str) -> Unsupported | None:
+    """The table entry for ``key`` inside the section at path ``section``, if any."""
+    entry = UNSUPPORTED.get(section, {}).get(key)
+    if entry is not None:
+        return entry
+    if key.startswith(UNSUPPORTED_PREFIXES.get(section, ())):
+        # An unlisted key of a family partita lacks: nothing but "auto" or null is harmless.
+        return Unsupported(None)
+    return None
+
+
+def unsupported_keys(section: tuple[str, ...]) -> list[str]:
+    """The listed DeepSpeed keys of a section, for "did you mean" over unsupported names."""
+    return list(UNSUPPORTED.get(section, {}))

@@ -1,0 +1,25 @@
+"""Optimizers and learning-rate schedules built from the config's ``optimizer`` and
+``scheduler`` sections (DeepSpeed's names, defaults and formulas)."""
+
+from partita.optim.config import OptimizerConfig, SchedulerConfig
+from partita.optim.factory import build_optimizer
+from partita.optim.lion import Lion
+from partita.optim.schedulers import (
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
+
+__all__ = [
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "build_optimizer",
+    "build_scheduler",
+    "Lion",
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+    "OneCycle",
+]

@@ -1,0 +1,74 @@
+"""The ``fp16`` and ``bf16`` sections: which half precision to train in, and fp16 loss scaling.
+
+Keys, meanings and defaults follow DeepSpeed 0.19. Enabling both sections is an error
+(reported by the loader, which sees both). Extra DeepSpeed keys (``fp16.auto_cast``,
+``bf16.immediate_grad_update``, ...) are refused with an explanation by
+``partita.config.unsupported`` unless set to their no-op default.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from partita.config.base import JsonInt, StrictSection
+
+
+class FP16Config(StrictSection):
+    """fp16 training with a loss scale that keeps small gradients from flushing to zero."""
+
+    # "auto" for a scaling knob means DeepSpeed's default, which is what the Hugging Face
+    # Trainer writes too. "auto" for `enabled` is refused: only the user knows the precision.
+    auto_fields: ClassVar[frozenset[str]] = frozenset(
+        {
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "consecutive_hysteresis",
+            "min_loss_scale",
+        }
+    )
+
+    enabled: bool = Field(False, description="Train in fp16. DeepSpeed default false.")
+    loss_scale: float = Field(
+        0.0,
+        ge=0,
+        description="Static loss scale; 0 selects dynamic loss scaling. DeepSpeed default 0 (dynamic).",
+    )
+    initial_scale_power: JsonInt = Field(
+        16,
+        ge=0,
+        description="Dynamic scaling starts at 2**initial_scale_power. DeepSpeed default 16 (65536).",
+    )
+    loss_scale_window: JsonInt = Field(
+        1000,
+        ge=1,
+        description="Dynamic scaling doubles the scale after this many steps without overflow. DeepSpeed default 1000.",
+    )
+    hysteresis: JsonInt = Field(
+        2,
+        ge=1,
+        description="Overflowing steps tolerated before the dynamic scale is halved. DeepSpeed default 2.",
+    )
+    consecutive_hysteresis: bool = Field(
+        False,
+        description="Refill the hysteresis budget after every step without overflow. DeepSpeed default false.",
+    )
+    min_loss_scale: float = Field(
+        1.0,
+        gt=0,
+        description="The dynamic scale never drops below this. DeepSpeed default 1.",
+    )
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the loss scale adapts (``loss_scale`` is 0)."""
+        return self.loss_scale == 0
+
+
+class BF16Config(StrictSection):
+    """bf16 training: fp32's exponent range, so no loss scaling is needed."""
+
+    enabled: bool = Field(False, description="Train in bf16. DeepSpeed default false.")
