@@ -1,0 +1,1 @@
+"""The ``partita`` command: ``partita run`` (a torchrun front end) and ``partita env``."""

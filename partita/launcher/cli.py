@@ -1,0 +1,126 @@
+"""The ``partita`` command.
+
+``partita run`` is a thin front end to torchrun (``torch.distributed.run``): it works out
+the node layout from flags, a DeepSpeed hostfile or the SLURM allocation, then hands
+process management, restarts and failure reporting to torch.distributed.elastic, which
+already does them well. ``partita env`` prints the environment report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from partita.launcher.plan import RunOptions
+
+__all__ = ["build_parser", "main", "run_options_from_args"]
+
+_RUN_EPILOG = """\
+layouts (strongest first):
+  flags        --nnodes 2 --node-rank 0 --master-addr node01 [--master-port 29500]
+  hostfile     --hostfile hosts.txt   (lines 'HOST slots=N'; start partita run on every host)
+  SLURM        srun --ntasks-per-node=1 partita run train.py   (nodes read from the allocation)
+  local        one node, all GPUs, or 2 CPU processes without a GPU
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="partita", description="partita distributed training tools")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env}")
+
+    run = commands.add_parser(
+        "run", help="launch a training script on every local GPU (or CPU) through torchrun",
+        description="Launch a training script through torchrun.", epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
+                     help="processes per node (default: all local GPUs, or 2 without a GPU)")
+    run.add_argument("--nnodes", type=int, default=None, help="number of nodes")
+    run.add_argument("--node-rank", type=int, default=None, help="this node's index, 0..nnodes-1")
+    run.add_argument("--master-addr", default=None, help="host of node rank 0")
+    run.add_argument("--master-port", type=int, default=None, help="rendezvous port (default 29500)")
+    run.add_argument("--hostfile", default=None, help="DeepSpeed-style hostfile ('HOST slots=N' lines)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restart all workers up to K times after a failure (default 0)")
+    run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the torchrun command instead of running it")
+    run.add_argument("script", help="training script (or module name with --module)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    commands.add_parser("env", help="print versions, devices, backends and optional extras")
+    return parser
+
+
+def run_options_from_args(args: argparse.Namespace) -> RunOptions:
+    """The parsed ``run`` flags as plain data (torch is imported lazily to keep --help fast)."""
+    from partita.launcher.plan import RunOptions
+
+    return RunOptions(
+        script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, hostfile=args.hostfile, max_restarts=args.max_restarts,
+        module=args.module,
+    )
+
+
+def _torchrun_argv(args: argparse.Namespace) -> list[str]:
+    import torch
+
+    from partita.launcher.hostfile import hostfile_layout, read_hostfile
+    from partita.launcher.plan import build_torchrun_argv, resolve_plan
+    from partita.launcher.slurm import slurm_allocation
+
+    opts = run_options_from_args(args)
+    layout = None
+    if opts.hostfile is not None:
+        layout = hostfile_layout(read_hostfile(opts.hostfile), node_rank=opts.node_rank)
+    plan = resolve_plan(opts, cuda_device_count=torch.cuda.device_count(),
+                        slurm=slurm_allocation(), hostfile=layout)
+    return build_torchrun_argv(plan)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        argv = _torchrun_argv(args)
+    except ValueError as error:
+        # Same status as argparse's usage errors: the command line was wrong, nothing ran.
+        print(f"partita run: error: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print("torchrun " + " ".join(argv))
+        return 0
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as error:
+        # torchrun has already logged each failed rank with its traceback; repeat the
+        # summary and exit non-zero without a second, launcher-internal traceback.
+        print(error.format_msg(), file=sys.stderr)
+        _, root_cause = error.get_first_failure()
+        # A worker killed by a signal has a negative exitcode; the shell convention is 128+N.
+        code = root_cause.exitcode
+        return code if 0 < code < 256 else (128 - code if -64 < code < 0 else 1)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``partita`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        from partita.launcher.env_report import env_report
+
+        print(env_report())
+        return 0
+    return _run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
