@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
     # Lazy: the `partita` console command imports this package and should not pay for
     # the engine, config and optimizer modules just to print help or launch torchrun.
     if name == "initialize":
-        from partita.initialize import initialize
+        from partita.bootstrap import initialize
 
         return initialize
     raise AttributeError(f"module 'partita' has no attribute {name!r}")

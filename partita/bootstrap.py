@@ -1,4 +1,4 @@
-"""``partita.initialize``: DeepSpeed's entry point, same arguments, same return value.
+"""``partita.initialize`` (defined here, exported by the package): DeepSpeed's entry point, same arguments, same return value.
 
 Order matters and is deliberate:
 1. parse and validate the config (cheap, identical on every rank, so a mistake fails

@@ -1,0 +1,163 @@
+"""GPU throughput of the reference GPT: partita ZeRO 0/1/2 against plain torch and DeepSpeed.
+
+Each engine runs in its own torchrun job (fresh process, fresh CUDA memory), on the same
+model, data and optimizer settings: bf16, AdamW (torch's fused kernel for every engine),
+gradient clipping 1.0, micro-batch 8, no gradient accumulation.
+
+    python benchmarks/gpu_throughput.py --model gpt_1_3b --nproc 1 \
+        --engines torch,partita0,partita1,partita2,deepspeed1,deepspeed2 --json results.json
+
+Prints tokens/s, MFU (against 989 dense bf16 TFLOP/s), mean step time and peak memory.
+DeepSpeed is a benchmark-only dependency (install 0.19.8 into the benchmark environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_TFLOPS = 989.0
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO))
+    from partita.models.gpt import GPT, GPTConfig
+
+    engine_name = args.engine
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    torch.manual_seed(0)
+    gpt_cfg = getattr(GPTConfig, args.model)()
+    with torch.device(device):
+        model = GPT(gpt_cfg)
+    seq, micro = gpt_cfg.block_size, args.micro_batch
+    base_cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+    }
+    adamw = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+
+    if engine_name == "torch":
+        dist.init_process_group("nccl")
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **{**adamw, "betas": tuple(adamw["betas"])})
+
+        def train_step(x, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    elif engine_name.startswith("partita"):
+        import partita
+
+        cfg = {**base_cfg, "optimizer": {"type": "AdamW", "params": adamw},
+               "zero_optimization": {"stage": int(engine_name[-1]), "reduce_bucket_size": args.bucket,
+                                     "allgather_bucket_size": args.bucket}}
+        engine, _, _, _ = partita.initialize(model=model, config=cfg)
+
+        def train_step(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif engine_name.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed("nccl")
+        cfg = {**base_cfg, "optimizer": {"type": "AdamW", "params": {**adamw, "torch_adam": True, "fused": True}},
+               "zero_optimization": {"stage": int(engine_name[-1]), "reduce_bucket_size": args.bucket,
+                                     "allgather_bucket_size": args.bucket, "overlap_comm": True}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+        def train_step(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    else:
+        raise SystemExit(f"unknown engine {engine_name}")
+
+    gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+    x = torch.randint(0, gpt_cfg.vocab_size, (micro, seq), device=device, generator=gen)
+    y = torch.randint(0, gpt_cfg.vocab_size, (micro, seq), device=device, generator=gen)
+    for _ in range(args.warmup):
+        train_step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = train_step(x, y)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        world = dist.get_world_size()
+        tokens = args.steps * micro * seq * world
+        tps = tokens / elapsed
+        flops_per_token = model.flops_per_token(seq_len=seq)
+        result = {
+            "engine": engine_name, "model": args.model, "world": world, "micro_batch": micro, "seq": seq,
+            "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world, "step_ms": 1000 * elapsed / args.steps,
+            "mfu": tps / world * flops_per_token / (PEAK_TFLOPS * 1e12), "peak_gib": float(peak),
+            "final_loss": float(loss), "params": model.num_parameters(),
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt_1_3b")
+    parser.add_argument("--engines", default="torch,partita0,partita1,partita2,deepspeed1,deepspeed2")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket", type=int, default=500_000_000)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    results = []
+    for engine in args.engines.split(","):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, "--worker", f"--engine={engine}", f"--model={args.model}",
+               f"--micro-batch={args.micro_batch}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+               f"--bucket={args.bucket}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{engine}: FAILED (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            results.append({"engine": engine, "error": proc.stderr[-1500:]})
+            continue
+        result = json.loads(lines[-1][len("RESULT "):])
+        results.append(result)
+        print(f"{engine:>11}: {result['tokens_per_s_per_gpu'] / 1e3:7.1f}k tokens/s/GPU  "
+              f"MFU {100 * result['mfu']:5.1f}%  step {result['step_ms']:7.1f} ms  "
+              f"peak {result['peak_gib']:6.1f} GiB  loss {result['final_loss']:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
