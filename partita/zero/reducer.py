@@ -35,6 +35,10 @@ from partita.zero.shard_group import ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
 
 
+# Launched buckets whose collective may still run while backward continues.
+_IN_FLIGHT = 2
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     group: int
@@ -105,6 +109,7 @@ class GradientReducer:
                 self._bucket_of[groups[entry.group].params[entry.spec.index]] = (b, i)
         self._armed = False
         self._next_launch = 0
+        self._next_retire = 0
         # Which parameters got a gradient on this rank since the last optimizer step.
         self._received = [[False] * len(g.params) for g in groups]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
@@ -136,6 +141,7 @@ class GradientReducer:
         """Arm the hooks for one backward pass; ``reduce`` says whether this pass reduces."""
         self._armed = reduce
         self._next_launch = 0
+        self._next_retire = 0
         for bucket in self._buckets:
             bucket.pending = set(range(len(bucket.entries)))
             bucket.packed = None
@@ -176,6 +182,25 @@ class GradientReducer:
         while self._next_launch < len(self._buckets) and not self._buckets[self._next_launch].pending:
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
+        # Retire all but the newest few launched buckets: their memory goes back at once,
+        # so at most _IN_FLIGHT packed buckets live beside the model (instead of all of
+        # them until backward ends), while the newest still overlap with backward.
+        in_flight = _IN_FLIGHT if self._world_size > 1 else 0
+        while self._next_retire < self._next_launch - in_flight:
+            self._retire(self._next_retire)
+            self._next_retire += 1
+
+    def _retire(self, b: int) -> None:
+        """Wait for bucket ``b``'s collective and add this rank's averaged slice into the partitions."""
+        bucket = self._buckets[b]
+        if bucket.work is not None:
+            with explain_collective_failure(f"gradient reduction (bucket {b} of {len(self._buckets)})"):
+                bucket.work.wait()
+        scale = 1.0 / self._world_size
+        for run in bucket.runs:
+            reduced = bucket.output[run.column : run.column + run.numel]
+            self._groups[run.group].accumulate_grad(run.partition_start, reduced, scale=scale)
+        bucket.packed = bucket.output = bucket.work = None
 
     def _launch(self, bucket: _ReduceBucket) -> None:
         with explain_collective_failure(f"gradient reduction (bucket {self._next_launch} of {len(self._buckets)})"):
@@ -213,15 +238,9 @@ class GradientReducer:
                 param.grad = None
             bucket.pending.clear()
         self._launch_ready_buckets()
-        scale = 1.0 / self._world_size
-        for b, bucket in enumerate(self._buckets):
-            if bucket.work is not None:
-                with explain_collective_failure(f"gradient reduction (bucket {b} of {len(self._buckets)})"):
-                    bucket.work.wait()
-            for run in bucket.runs:
-                reduced = bucket.output[run.column : run.column + run.numel]
-                self._groups[run.group].accumulate_grad(run.partition_start, reduced, scale=scale)
-            bucket.packed = bucket.output = bucket.work = None
+        while self._next_retire < len(self._buckets):
+            self._retire(self._next_retire)
+            self._next_retire += 1
         self._armed = False
 
     def take_received(self) -> list[list[bool]]:
