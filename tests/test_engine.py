@@ -64,7 +64,7 @@ def test_misuse_gives_clear_errors() -> None:
 def _accumulation_counters() -> dict:
     import partita
 
-    cfg = {**BASE, "gradient_accumulation_steps": 3,
+    cfg = {**BASE, "gradient_accumulation_steps": 3, "steps_per_print": 2, "wall_clock_breakdown": True,
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                           "warmup_num_steps": 10, "warmup_type": "linear"}}}
     engine, _, _, _ = partita.initialize(model=build_model(), config=cfg)
@@ -76,7 +76,7 @@ def _accumulation_counters() -> dict:
         engine.step()
         lrs.append(engine.get_lr()[0])
     return {"boundaries": boundaries, "lrs": lrs, "steps": engine.global_steps, "samples": engine.global_samples,
-            "train_batch": engine.train_batch_size()}
+            "train_batch": engine.train_batch_size(), "log": engine._step_log.last_line}
 
 
 def test_accumulation_boundary_and_scheduler_step_per_optimizer_step() -> None:
@@ -88,6 +88,10 @@ def test_accumulation_boundary_and_scheduler_step_per_optimizer_step() -> None:
     assert r["lrs"][0] == r["lrs"][1] == r["lrs"][2 - 1]
     assert r["lrs"][2] != r["lrs"][1] and r["lrs"][3] == r["lrs"][4] == r["lrs"][2]
     assert r["lrs"][5] == pytest.approx(0.01 * 2 / 10)
+    # steps_per_print=2 with wall_clock_breakdown: one line at step 2 with the phase times.
+    log = r["log"]
+    assert log.startswith("step=2 loss=") and "lr=2.000e-03" in log and "skipped=0" in log
+    assert "time(ms/step)" in log and "backward=" in log and "forward=" in log and "step=" in log
 
 
 def _user_optimizer_and_scheduler() -> dict:
