@@ -1,0 +1,206 @@
+"""A small GPT-2 style language model used by the examples, tests and benchmarks.
+
+It is deliberately plain PyTorch (nanoGPT-sized): partita must train user models it has never
+seen, so the reference model uses only ordinary modules, keeps its ``state_dict`` keys plain and
+puts no attributes on its parameters. Two details matter to a ZeRO engine and are kept on
+purpose because real models have them:
+
+- the token embedding and the output head share one ``nn.Parameter`` (weight tying), so
+  ``model.parameters()`` yields it once while ``state_dict()`` lists it under both
+  ``tok_emb.weight`` and ``lm_head.weight`` (aliases of one tensor);
+- the loss is computed in fp32 from the logits even when the model runs in bf16/fp16, because a
+  softmax over the vocabulary in half precision loses the small differences training relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a :class:`GPT`. The defaults describe a byte-level model (vocabulary 256)."""
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                f"pick n_head among the divisors of n_embd"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @classmethod
+    def tiny(cls) -> GPTConfig:
+        """Byte-level demo model (~0.8 M parameters): its loss falls visibly within two minutes on
+        two CPU cores (two processes, one core each)."""
+        return cls(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
+
+    @classmethod
+    def gpt2_124m(cls) -> GPTConfig:
+        """GPT-2 small shape. The vocabulary is 50304 (50257 rounded up to a multiple of 64 for
+        faster matmuls), as in the GPU benchmarks."""
+        return cls(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+    @classmethod
+    def gpt_1_3b(cls) -> GPTConfig:
+        """The 1.3 B-parameter reference model of the GPU benchmarks (docs/performance.md)."""
+        return cls(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``, which picks a
+    flash / memory-efficient kernel where the device has one."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, channels = x.shape
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim): SDPA attends over the last two dims.
+        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(batch, seq, channels)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: the residual stream itself is never normalized, which
+    keeps deep stacks trainable without warm-up tricks."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: ``forward(idx, targets=None) -> (logits, loss)``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: the output head reuses the embedding matrix (one Parameter, two modules).
+        self.lm_head.weight = self.tok_emb.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2 initialization: N(0, 0.02) weights, zero biases, and the two projections that
+        write into the residual stream scaled by 1/sqrt(2 * n_layer), so the stream's variance
+        does not grow with depth (each block adds two such contributions)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return logits of shape (B, T, vocab_size) and the mean cross-entropy against
+        ``targets`` (fp32 scalar), or ``None`` when no targets are given."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
+        seq = idx.size(1)
+        if seq > self.config.block_size:
+            raise ValueError(
+                f"cannot forward a sequence of length {seq}: block_size is {self.config.block_size}; "
+                f"cut the input into windows of at most block_size tokens"
+            )
+        pos = torch.arange(seq, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_parameters(self, *, exclude_position_embedding: bool = False) -> int:
+        """Number of distinct parameters (the tied embedding/head matrix counts once)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_position_embedding:
+            total -= self.pos_emb.weight.numel()
+        return total
+
+    def flops_per_token(self, *, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6N + 12·L·d·T (PaLM appendix B; Kaplan et al.).
+
+        6N covers forward and backward matmuls over the parameters; N leaves out the position
+        embedding (a lookup, no matmul) but keeps the tied token embedding, which the output head
+        multiplies by. 12·L·d·T covers attention scores and the weighted sum, whose cost grows with
+        the sequence length T (default: block_size).
+        """
+        seq = self.config.block_size if seq_len is None else seq_len
+        n = self.num_parameters(exclude_position_embedding=True)
+        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq
+
+    def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
+        """Two optimizer groups: weight decay on matrices (>= 2-D: linear and embedding weights),
+        none on biases and LayerNorm parameters, whose decay only hurts.
+
+        Every trainable parameter appears exactly once (``named_parameters`` already yields the
+        tied matrix a single time).
+        """
+        decay, no_decay = [], []
+        for _, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            (decay if param.dim() >= 2 else no_decay).append(param)
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
