@@ -1,11 +1,12 @@
-"""GPU throughput of the reference GPT: partita ZeRO 0/1/2 against plain torch and DeepSpeed.
+"""GPU throughput of the reference GPT: partita ZeRO 0/1/2 against plain torch (DDP on
+several GPUs), torch FSDP2 (fully_shard per block) and DeepSpeed.
 
 Each engine runs in its own torchrun job (fresh process, fresh CUDA memory), on the same
 model, data and optimizer settings: bf16, AdamW (torch's fused kernel for every engine),
 gradient clipping 1.0, micro-batch 8, no gradient accumulation.
 
     python benchmarks/gpu_throughput.py --model gpt_1_3b --nproc 1 \
-        --engines torch,partita0,partita1,partita2,deepspeed1,deepspeed2 --json results.json
+        --engines torch,fsdp2,partita0,partita1,partita2,deepspeed1,deepspeed2 --json results.json
 
 Prints tokens/s, MFU (against 989 dense bf16 TFLOP/s), mean step time and peak memory.
 DeepSpeed is a benchmark-only dependency (install 0.19.8 into the benchmark environment).
@@ -53,10 +54,31 @@ def _worker(args: argparse.Namespace) -> None:
     if engine_name == "torch":
         dist.init_process_group("nccl")
         opt = torch.optim.AdamW(model.parameters(), fused=True, **{**adamw, "betas": tuple(adamw["betas"])})
+        # One GPU: plain torch. Several: DDP, the plain-torch way to data-parallel.
+        wrapped = model
+        if dist.get_world_size() > 1:
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
 
         def train_step(x, y):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = model(x, y)
+                _, loss = wrapped(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    elif engine_name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dist.init_process_group("nccl")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **{**adamw, "betas": tuple(adamw["betas"])})
+
+        def train_step(x, y):
+            _, loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -125,7 +147,7 @@ def _worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt_1_3b")
-    parser.add_argument("--engines", default="torch,partita0,partita1,partita2,deepspeed1,deepspeed2")
+    parser.add_argument("--engines", default="torch,fsdp2,partita0,partita1,partita2,deepspeed1,deepspeed2")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)

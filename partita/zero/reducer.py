@@ -173,6 +173,12 @@ class GradientReducer:
         entry = bucket.entries[i]
         if grad is not None:
             self._received[entry.group][entry.spec.index] = True
+        if self._world_size == 1:
+            # Nothing to communicate: the partition is the whole group, so add the gradient
+            # straight into it and skip the bucket buffer (one full bucket less at the peak).
+            if grad is not None:
+                self._groups[entry.group].accumulate_grad(entry.spec.partition_offset, grad.reshape(-1), scale=1.0)
+            return
         if bucket.packed is None:
             like = self._groups[entry.group].params[entry.spec.index]
             bucket.packed = torch.empty((self._num_shards, bucket.shard_numel), dtype=like.dtype, device=like.device)
@@ -197,7 +203,7 @@ class GradientReducer:
             with explain_collective_failure(f"gradient reduction (bucket {b} of {len(self._buckets)})"):
                 bucket.work.wait()
         scale = 1.0 / self._world_size
-        for run in bucket.runs:
+        for run in bucket.runs if bucket.output is not None else ():
             reduced = bucket.output[run.column : run.column + run.numel]
             self._groups[run.group].accumulate_grad(run.partition_start, reduced, scale=scale)
         bucket.packed = bucket.output = bucket.work = None
@@ -209,8 +215,8 @@ class GradientReducer:
     def _launch_collective(self, bucket: _ReduceBucket) -> None:
         packed = bucket.packed
         if self._world_size == 1:
-            bucket.output = packed[0]
-        elif self._num_shards == 1 or not self._use_reduce_scatter:
+            return  # already accumulated by _pack
+        if self._num_shards == 1 or not self._use_reduce_scatter:
             # zero_optimization.reduce_scatter=false: all-reduce everything, keep our row.
             bucket.work = dist.all_reduce(packed, group=self._process_group, async_op=True)
             bucket.output = packed[0] if self._num_shards == 1 else packed[self._shard_rank]

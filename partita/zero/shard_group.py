@@ -86,7 +86,8 @@ class ShardedParamGroup:
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
         """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
         target = self.master.grad[partition_start : partition_start + reduced.numel()]
-        target.add_(reduced.to(torch.float32), alpha=scale)
+        # In-place add promotes bf16/fp16 into the fp32 target without a full-size fp32 temporary.
+        target.add_(reduced, alpha=scale)
 
     def zero_grad(self) -> None:
         self.master.grad.zero_()
