@@ -24,6 +24,7 @@ from torch import nn
 
 from partita.config import PartitaConfig, load_config, resolve_batch_sizes
 from partita.data.sampler import ResumableDistributedSampler
+from partita.distributed import collectives
 from partita.distributed.init import current_device, init_distributed
 from partita.distributed.topology import Topology, build_topology
 from partita.engine import Engine
@@ -179,7 +180,7 @@ def _place_model(model: nn.Module, *, device: torch.device, dtype: torch.dtype, 
         # Like DDP: ranks may have initialised differently (different seeds); rank 0 wins.
         src = dist.get_global_rank(topology.data_group, 0)
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=src, group=topology.data_group)
+            collectives.broadcast(tensor.data, src=src, group=topology.data_group, purpose="initial weight broadcast")
 
 
 def _inner_optimizer_factory(optimizer: Any, cfg: PartitaConfig, device_type: str):

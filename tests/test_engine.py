@@ -159,7 +159,7 @@ def _rank_dies_mid_step() -> str:
     import torch.distributed as dist
 
     import partita
-    from partita.zero.collective_errors import CollectiveError
+    from partita.distributed.collective_errors import CollectiveError
 
     cfg = {**BASE, "distributed": {"timeout_seconds": 30}}
     engine, _, _, _ = partita.initialize(model=build_model(), config=cfg)

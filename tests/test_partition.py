@@ -59,3 +59,14 @@ def test_missing_gradient_packs_zeros() -> None:
     packed = torch.ones(2, 3)
     pack_into_columns(packed, 0, layout.specs[0], None)
     assert torch.count_nonzero(packed) == 0
+
+
+def test_alignment_keeps_block_boundaries_independent_of_world_size() -> None:
+    for world in (1, 2, 4):
+        layout = ShardLayout.build([torch.Size([1000]), torch.Size([3])], num_shards=world, alignment=64)
+        for spec in layout.specs:
+            assert spec.shard_numel % 64 == 0 and spec.partition_offset % 64 == 0
+            # Shard starts are block boundaries of the parameter itself for every world size.
+            assert all(spec.owned_range(r)[0] % 64 == 0 for r in range(world) if spec.owned_range(r)[0] < spec.numel)
+    with pytest.raises(ValueError, match="alignment"):
+        ShardLayout.build([torch.Size([4])], num_shards=2, alignment=0)

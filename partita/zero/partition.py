@@ -76,15 +76,23 @@ class ShardLayout:
     partition_numel: int
 
     @classmethod
-    def build(cls, shapes: Sequence[torch.Size], *, num_shards: int) -> ShardLayout:
-        """Lay out parameters of the given shapes over ``num_shards`` ranks."""
+    def build(cls, shapes: Sequence[torch.Size], *, num_shards: int, alignment: int = 1) -> ShardLayout:
+        """Lay out parameters of the given shapes over ``num_shards`` ranks.
+
+        ``alignment``: every shard holds a multiple of this many elements. Block-wise
+        optimizers (8-bit states quantised per block of B elements) use B here, so a block
+        never spans two parameters and a parameter's blocks start at the same element
+        offsets for every world size, which keeps results independent of the world size.
+        """
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        if alignment < 1:
+            raise ValueError(f"alignment must be >= 1, got {alignment}")
         specs = []
         offset = 0
         for index, shape in enumerate(shapes):
             numel = math.prod(shape)
-            shard_numel = math.ceil(numel / num_shards)
+            shard_numel = math.ceil(numel / (num_shards * alignment)) * alignment
             specs.append(ShardSpec(index, torch.Size(shape), numel, shard_numel, offset))
             offset += shard_numel
         return cls(num_shards=num_shards, specs=tuple(specs), partition_numel=offset)

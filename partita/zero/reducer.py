@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.zero.collective_errors import explain_collective_failure
+from partita.distributed import collectives
 from partita.zero.shard_group import ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
 
@@ -199,34 +199,32 @@ class GradientReducer:
     def _retire(self, b: int) -> None:
         """Wait for bucket ``b``'s collective and add this rank's averaged slice into the partitions."""
         bucket = self._buckets[b]
-        if bucket.work is not None:
-            with explain_collective_failure(f"gradient reduction (bucket {b} of {len(self._buckets)})"):
-                bucket.work.wait()
+        collectives.wait(bucket.work, purpose=self._purpose(b))
         scale = 1.0 / self._world_size
         for run in bucket.runs if bucket.output is not None else ():
             reduced = bucket.output[run.column : run.column + run.numel]
             self._groups[run.group].accumulate_grad(run.partition_start, reduced, scale=scale)
         bucket.packed = bucket.output = bucket.work = None
 
-    def _launch(self, bucket: _ReduceBucket) -> None:
-        with explain_collective_failure(f"gradient reduction (bucket {self._next_launch} of {len(self._buckets)})"):
-            self._launch_collective(bucket)
+    def _purpose(self, b: int) -> str:
+        return f"gradient reduction (bucket {b} of {len(self._buckets)})"
 
-    def _launch_collective(self, bucket: _ReduceBucket) -> None:
+    def _launch(self, bucket: _ReduceBucket) -> None:
         packed = bucket.packed
+        purpose = self._purpose(self._next_launch)
         if self._world_size == 1:
             return  # already accumulated by _pack
         if self._num_shards == 1 or not self._use_reduce_scatter:
             # zero_optimization.reduce_scatter=false: all-reduce everything, keep our row.
-            bucket.work = dist.all_reduce(packed, group=self._process_group, async_op=True)
+            bucket.work = collectives.all_reduce(packed, group=self._process_group, purpose=purpose, async_op=True)
             bucket.output = packed[0] if self._num_shards == 1 else packed[self._shard_rank]
         else:
             bucket.output = torch.empty(bucket.shard_numel, dtype=packed.dtype, device=packed.device)
-            bucket.work = dist.reduce_scatter_tensor(
-                bucket.output, packed.view(-1), group=self._process_group, async_op=True
+            bucket.work = collectives.reduce_scatter_tensor(
+                bucket.output, packed.view(-1), group=self._process_group, purpose=purpose, async_op=True
             )
-        if bucket.work is not None and not self._overlap_comm:
-            bucket.work.wait()  # overlap_comm=false: finish each collective before backward goes on
+        if not self._overlap_comm:
+            collectives.wait(bucket.work, purpose=purpose)  # overlap_comm=false: finish before backward goes on
             bucket.work = None
 
     def finish_backward(self) -> None:

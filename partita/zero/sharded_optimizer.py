@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from partita.zero.collective_errors import explain_collective_failure
+from partita.distributed import collectives
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 
 
@@ -87,8 +87,7 @@ class ShardedOptimizer:
         flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
         packed = torch.cat([local.reshape(1), flags.to(device)])
         if self._world_size > 1:
-            with explain_collective_failure("gradient-norm all-reduce in the optimizer step"):
-                dist.all_reduce(packed, group=self._process_group)
+            collectives.all_reduce(packed, group=self._process_group, purpose="gradient-norm all-reduce in the optimizer step")
         values = packed.tolist()
         used, i = [], 1
         for group in self.groups:
@@ -163,8 +162,9 @@ class ShardedOptimizer:
                     gathered = torch.empty(
                         (self._num_shards, bucket.shard_numel), dtype=mine.dtype, device=mine.device
                     )
-                    with explain_collective_failure("parameter all-gather after the optimizer step"):
-                        dist.all_gather_into_tensor(gathered.view(-1), mine, group=self._process_group)
+                    collectives.all_gather_into_tensor(
+                        gathered.view(-1), mine, group=self._process_group, purpose="parameter all-gather after the optimizer step"
+                    )
                 for spec in group.layout.specs[bucket.first : bucket.last]:
                     column = spec.partition_offset - bucket.partition_start
                     unpack_from_columns(gathered, column, spec, group.params[spec.index])
