@@ -156,6 +156,8 @@ class Engine:
             reducer.begin_backward(reduce=reduce_now)
             scaled.backward(retain_graph=retain_graph)
             reducer.finish_backward()
+            if self.zero.gatherer is not None:
+                self.zero.gatherer.release_all()  # parameters that got no gradient are still whole
         self._backward_pending = True
         return loss
 

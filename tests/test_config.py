@@ -198,7 +198,7 @@ def test_unknown_nested_key_suggests_and_lists_valid_keys() -> None:
     assert line == (
         "zero_optimization.reduce_bucket_sise = 500000000.0: unknown key in 'zero_optimization'; did you mean "
         "'reduce_bucket_size' or 'allgather_bucket_size'? Valid keys: stage, overlap_comm, contiguous_gradients, "
-        "reduce_bucket_size, allgather_bucket_size, reduce_scatter"
+        "reduce_bucket_size, allgather_bucket_size, reduce_scatter, stage3_param_persistence_threshold"
     )
 
 
@@ -240,20 +240,16 @@ def test_direct_construction_also_refuses_two_precisions() -> None:
         PartitaConfig(fp16={"enabled": True}, bf16={"enabled": True})
 
 
-def test_zero_stage_3_is_not_implemented() -> None:
-    line = only_problem({"zero_optimization": {"stage": 3}})
-    assert line == (
-        "zero_optimization.stage = 3: ZeRO stage 3 is not implemented yet in partita; use stage 0, 1 or 2 "
-        "(stage 2 shards optimizer state and gradients)"
-    )
+def test_zero_stage_3_and_its_persistence_threshold_load() -> None:
+    cfg = load_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4}})
+    assert cfg.zero_optimization.stage == 3
+    assert cfg.zero_optimization.stage3_param_persistence_threshold == 10_000
+    assert load_config({}).zero_optimization.stage3_param_persistence_threshold == 100_000
 
 
 def test_zero_stage_out_of_range() -> None:
     line = only_problem({"zero_optimization": {"stage": 4}})
-    assert line == (
-        "zero_optimization.stage = 4: ZeRO stage must be 0, 1 or 2 (DeepSpeed's stages are 0-3; stage 3 is "
-        "not implemented yet)"
-    )
+    assert line == "zero_optimization.stage = 4: ZeRO stage must be 0, 1, 2 or 3"
 
 
 def test_every_problem_is_listed_in_one_error() -> None:
@@ -263,7 +259,7 @@ def test_every_problem_is_listed_in_one_error() -> None:
                 "train_batch_size": -1,
                 "fp16": {"enabled": True, "hysteresis": 0},
                 "bf16": {"enabled": True},
-                "zero_optimization": {"stage": 3, "reduce_bucket_size": -5, "typo": 1},
+                "zero_optimization": {"stage": 5, "reduce_bucket_size": -5, "typo": 1},
                 "wandb": {"enabled": True},
                 "steps_per_print": 0,
             }
@@ -549,7 +545,7 @@ def test_load_from_json_file(tmp_path: Path) -> None:
 
 def test_errors_from_a_file_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text('{"zero_optimization": {"stage": 3}}')
+    path.write_text('{"zero_optimization": {"stage": 7}}')
     with pytest.raises(ConfigError, match=r"^Invalid partita config in .*bad\.json \(1 problem\):"):
         load_config(path)
 

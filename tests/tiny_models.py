@@ -75,3 +75,61 @@ def reference_train(
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+class Block(nn.Module):
+    def __init__(self, *, frozen: bool = False, with_unused: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+        if frozen:
+            self.up.requires_grad_(False)
+        self.unused = nn.Linear(2, 2) if with_unused else None
+        self.register_buffer("gain", torch.full((WIDTH,), 0.9))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gain * self.down(torch.tanh(self.up(self.norm(h))))
+
+
+class BlockNet(nn.Module):
+    """Repeated blocks in a ModuleList (ZeRO-3 units), a block called twice per forward,
+    tied embedding/head, a frozen layer inside a block, a never-used parameter, buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(), Block(frozen=True), Block(with_unused=True)])
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        h = self.blocks[0](h)  # called twice in one forward
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build_block_model(seed: int = 0) -> BlockNet:
+    torch.manual_seed(seed)
+    return BlockNet()
+
+
+def reference_train_model(
+    build, *, num_steps: int, global_batch: int, lr: float, clip: float
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process torch AdamW with global-norm clipping on the full batch."""
+    model = build()
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    xs, ys = make_batches(num_steps, global_batch)
+    norms = []
+    for step in range(num_steps):
+        opt.zero_grad()
+        model(xs[step], ys[step]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms

@@ -145,7 +145,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "cpu_offload_use_pin_memory": Unsupported(False),
         "sub_group_size": Unsupported(1_000_000_000),
         "stage3_prefetch_bucket_size": Unsupported(50_000_000),
-        "stage3_param_persistence_threshold": Unsupported(100_000),
         "stage3_model_persistence_threshold": Unsupported(9_223_372_036_854_775_807),
         "stage3_max_live_parameters": Unsupported(1_000_000_000),
         "stage3_max_reuse_distance": Unsupported(1_000_000_000),

@@ -11,6 +11,7 @@ from torch import nn
 from partita.distributed.topology import Topology
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
+from partita.zero.param_gatherer import ParameterGatherer
 from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
 from partita.zero.shard_group import ShardedParamGroup
@@ -26,6 +27,7 @@ class ZeroState:
     policy: ZeroPolicy
     optimizer: ShardedOptimizer
     reducer: GradientReducer
+    gatherer: ParameterGatherer | None = None  # stage 3 only
 
 
 def apply_zero(
@@ -81,4 +83,15 @@ def apply_zero(
         use_reduce_scatter=config.reduce_scatter,
         overlap_comm=config.overlap_comm is not False,
     )
-    return ZeroState(policy=policy, optimizer=optimizer, reducer=reducer)
+    gatherer = None
+    if policy.shard_parameters:
+        # Built after the reducer: its hooks must run after the reducer's on each parameter.
+        gatherer = ParameterGatherer(
+            module,
+            groups,
+            process_group=topology.data_group,
+            world_size=topology.data_size,
+            persistence_threshold=config.stage3_param_persistence_threshold,
+        )
+        optimizer.param_store = gatherer
+    return ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer)

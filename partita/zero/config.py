@@ -16,17 +16,19 @@ from partita.config.base import JsonInt, StrictSection
 
 
 class ZeroConfig(StrictSection):
-    """ZeRO data parallelism: shard optimizer state (stage 1) and gradients (stage 2)."""
+    """ZeRO data parallelism: shard optimizer state (stage 1), gradients (stage 2), parameters (stage 3)."""
 
-    auto_fields: ClassVar[frozenset[str]] = frozenset({"reduce_bucket_size", "allgather_bucket_size"})
+    auto_fields: ClassVar[frozenset[str]] = frozenset(
+        {"reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold"}
+    )
 
     stage: JsonInt = Field(
         0,
         description=(
             "ZeRO stage. 0: plain data parallelism (every rank keeps full optimizer state); "
             "1: optimizer state sharded across data-parallel ranks; 2: optimizer state and "
-            "gradients sharded. DeepSpeed default 0. Stage 3 (parameters sharded) is not "
-            "implemented yet."
+            "gradients sharded; 3: parameters sharded too, gathered unit by unit just in time. "
+            "DeepSpeed default 0."
         ),
     )
     overlap_comm: bool | None = Field(
@@ -67,18 +69,22 @@ class ZeroConfig(StrictSection):
         ),
     )
 
+    stage3_param_persistence_threshold: JsonInt = Field(
+        100_000,
+        ge=0,
+        description=(
+            "ZeRO-3 only: parameters with at most this many elements are not sharded; every "
+            "rank keeps them whole (gathering them would cost more latency than it saves "
+            "memory). DeepSpeed default 1e5."
+        ),
+    )
+
     @field_validator("stage")
     @classmethod
     def _implemented_stage(cls, value: int) -> int:
-        if value == 3:
-            raise PydanticCustomError(
-                "zero_stage_not_implemented",
-                "ZeRO stage 3 is not implemented yet in partita; use stage 0, 1 or 2 "
-                "(stage 2 shards optimizer state and gradients)",
-            )
-        if value not in (0, 1, 2):
+        if value not in (0, 1, 2, 3):
             raise PydanticCustomError(
                 "zero_stage_range",
-                "ZeRO stage must be 0, 1 or 2 (DeepSpeed's stages are 0-3; stage 3 is not implemented yet)",
+                "ZeRO stage must be 0, 1, 2 or 3",
             )
         return value

@@ -7,6 +7,7 @@ One engine serves every stage; the stage only decides these switches.
 | 0     | replicated                     | replicated| last micro-batch (all_reduce)  |
 | 1     | sharded                        | replicated| last micro-batch (reduce_scatter) |
 | 2     | sharded                        | sharded   | every micro-batch (reduce_scatter) |
+| 3     | sharded                        | sharded   | every micro-batch; parameters sharded too, gathered per unit |
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ class ZeroPolicy:
         shard_gradients: gradients are reduce-scattered during every backward and the
             full-size gradient is freed at once, instead of accumulating whole in
             ``param.grad`` until the last micro-batch.
+        shard_parameters: each rank keeps only its shard of every parameter; full
+            parameters exist only while their unit runs (see param_gatherer.py).
     """
 
     stage: int
     shard_optimizer: bool
     shard_gradients: bool
+    shard_parameters: bool = False
 
     @classmethod
     def for_stage(cls, stage: int) -> ZeroPolicy:
@@ -39,7 +43,7 @@ class ZeroPolicy:
         if stage == 2:
             return cls(stage=2, shard_optimizer=True, shard_gradients=True)
         if stage == 3:
-            raise NotImplementedError("ZeRO stage 3 is not implemented yet; use stage 0, 1 or 2")
+            return cls(stage=3, shard_optimizer=True, shard_gradients=True, shard_parameters=True)
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
 
     def num_shards(self, data_parallel_size: int) -> int:

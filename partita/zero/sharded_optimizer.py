@@ -61,6 +61,9 @@ class ShardedOptimizer:
         self._num_shards = groups[0].layout.num_shards
         self._clip = gradient_clipping
         self._gather_buckets = [g.layout.buckets(allgather_bucket_numel) for g in groups]
+        # ZeRO-3: the gatherer keeps sharded parameters' low-precision shards; only
+        # persistent (small) parameters are written back whole after a step.
+        self.param_store = None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -151,8 +154,18 @@ class ShardedOptimizer:
     @torch.no_grad()
     def write_back_params(self) -> None:
         """Copy the updated master partitions into the model's parameters on every rank."""
+        store = self.param_store
+        if store is not None:
+            store.refresh_shards()
         for group, buckets in zip(self.groups, self._gather_buckets):
             for bucket in buckets:
+                specs = [
+                    spec
+                    for spec in group.layout.specs[bucket.first : bucket.last]
+                    if store is None or not store.is_sharded_param(group.params[spec.index])
+                ]
+                if not specs:
+                    continue  # same decision on every rank: the sharded set is identical
                 # Cast bucket by bucket: a whole-partition low-precision copy would cost
                 # another 2 bytes per parameter at the memory peak.
                 mine = group.master[bucket.partition_start : bucket.partition_end].to(group.model_dtype)
@@ -165,7 +178,7 @@ class ShardedOptimizer:
                     collectives.all_gather_into_tensor(
                         gathered.view(-1), mine, group=self._process_group, purpose="parameter all-gather after the optimizer step"
                     )
-                for spec in group.layout.specs[bucket.first : bucket.last]:
+                for spec in specs:
                     column = spec.partition_offset - bucket.partition_start
                     unpack_from_columns(gathered, column, spec, group.params[spec.index])
 
