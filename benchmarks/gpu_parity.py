@@ -1,4 +1,4 @@
-"""GPU correctness: ZeRO 0/1/2 on NCCL equal single-process torch on the global batch.
+"""GPU correctness: ZeRO 0/1/2/3 on NCCL equal single-process torch on the global batch.
 
 The CPU test suite proves parity on gloo; this script proves the same on GPUs, where
 collectives run asynchronously on NCCL's own stream while backward goes on. Run with
@@ -67,7 +67,7 @@ def main() -> int:
     failures = 0
     ref = None
     for precision, tol in (("fp32", 1e-5), ("bf16", 0.05)):
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             for gas in (1, 2):
                 got = run(stage, gas, precision)
                 if ref is None:

@@ -1,4 +1,4 @@
-"""GPU throughput of the reference GPT: partita ZeRO 0/1/2 against plain torch (DDP on
+"""GPU throughput of the reference GPT: partita ZeRO 0/1/2/3 against plain torch (DDP on
 several GPUs), torch FSDP2 (fully_shard per block) and DeepSpeed.
 
 Each engine runs in its own torchrun job (fresh process, fresh CUDA memory), on the same
@@ -42,6 +42,8 @@ def _worker(args: argparse.Namespace) -> None:
     with torch.device(device):
         model = GPT(gpt_cfg)
     seq, micro = gpt_cfg.block_size, args.micro_batch
+    # Counted before any engine shards the parameters (DeepSpeed ZeRO-3 empties them in place).
+    flops_per_token, num_params = model.flops_per_token(seq_len=seq), model.num_parameters()
     base_cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -133,12 +135,11 @@ def _worker(args: argparse.Namespace) -> None:
         world = dist.get_world_size()
         tokens = args.steps * micro * seq * world
         tps = tokens / elapsed
-        flops_per_token = model.flops_per_token(seq_len=seq)
         result = {
             "engine": engine_name, "model": args.model, "world": world, "micro_batch": micro, "seq": seq,
             "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world, "step_ms": 1000 * elapsed / args.steps,
             "mfu": tps / world * flops_per_token / (PEAK_TFLOPS * 1e12), "peak_gib": float(peak),
-            "final_loss": float(loss), "params": model.num_parameters(),
+            "final_loss": float(loss), "params": num_params,
         }
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -33,7 +33,7 @@ def _config(gas: int, threshold: int, precision: str = "fp32") -> dict:
     return cfg
 
 
-def train_stage3(runs: list[tuple[str, dict]]) -> list[dict]:
+def train_stage3(runs: list[tuple[str, dict]], reverse_from: int | None = None) -> list[dict]:
     import torch.distributed as dist
 
     import partita
@@ -52,6 +52,8 @@ def train_stage3(runs: list[tuple[str, dict]]) -> list[dict]:
         gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
         norms = []
         for step in range(STEPS):
+            if reverse_from is not None and step >= reverse_from:
+                model.reverse_blocks = True  # the same on every rank: the unit order changes
             for m in range(gas):
                 lo = (m * world + rank) * micro
                 engine.backward(engine(xs[step][lo : lo + micro], ys[step][lo : lo + micro]))
@@ -74,6 +76,7 @@ def train_stage3(runs: list[tuple[str, dict]]) -> list[dict]:
             "params": params, "norms": norms, "freed": freed, "num_sharded": len(sharded),
             "peak_gathered": peak[0], "gathered_after_eval": gatherer.num_gathered(), "eval_loss": eval_loss,
             "shard_numel": sum(s.numel() for s in gatherer.shards),
+            "prefetches": gatherer.prefetch_count, "trace": gatherer.trace.state.value,
         })
     return out
 
@@ -132,3 +135,24 @@ def test_stage3_bf16_equals_stage2_bf16_and_stays_near_fp32() -> None:
         assert (got3[name] - got2[name]).norm() / moved < 1e-3, name
         # bf16 itself (8 mantissa bits) drifts from fp32 by a fraction of how far training moved.
         assert (got3[name] - want).norm() / moved < 0.3, name
+
+
+def test_stage3_prefetches_and_survives_a_changed_unit_order() -> None:
+    cfg = _config(1, 0)
+    per_rank = run_distributed(train_stage3, 2, [("blocks", cfg), ("blocks", cfg)], None)
+    steady = per_rank[0][0]
+    assert steady["trace"] == "ready" and steady["prefetches"] > 0  # gathers overlapped after step 1
+    per_rank = run_distributed(train_stage3, 2, [("blocks", cfg)], 2)
+    changed = per_rank[0][0]
+    assert changed["trace"] == "disabled"  # step 3 ran the blocks backwards: on-demand from then on
+    ref, _ = reference_train_model(build_block_model, num_steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, clip=CLIP,
+                                   reverse_from=2)
+    for name, want in ref.items():
+        assert _rel(changed["params"][name], want) < 1e-5, name
+
+
+def test_stage3_max_live_parameters_bounds_prefetch() -> None:
+    cfg = _config(1, 0)
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = 1  # nothing may be fetched ahead
+    (result,), _ = run_distributed(train_stage3, 2, [("blocks", cfg)])
+    assert result["prefetches"] == 0

@@ -103,10 +103,11 @@ class BlockNet(nn.Module):
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
+        self.reverse_blocks = False  # data-dependent control flow in tests: the unit order changes
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx)
-        for block in self.blocks:
+        for block in reversed(self.blocks) if self.reverse_blocks else self.blocks:
             h = block(h)
         h = self.blocks[0](h)  # called twice in one forward
         logits = self.head(self.norm(h))
@@ -119,7 +120,7 @@ def build_block_model(seed: int = 0) -> BlockNet:
 
 
 def reference_train_model(
-    build, *, num_steps: int, global_batch: int, lr: float, clip: float
+    build, *, num_steps: int, global_batch: int, lr: float, clip: float, reverse_from: int | None = None
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process torch AdamW with global-norm clipping on the full batch."""
     model = build()
@@ -128,6 +129,8 @@ def reference_train_model(
     xs, ys = make_batches(num_steps, global_batch)
     norms = []
     for step in range(num_steps):
+        if reverse_from is not None and step >= reverse_from:
+            model.reverse_blocks = True
         opt.zero_grad()
         model(xs[step], ys[step]).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))

@@ -92,6 +92,8 @@ def apply_zero(
             process_group=topology.data_group,
             world_size=topology.data_size,
             persistence_threshold=config.stage3_param_persistence_threshold,
+            prefetch_numel=config.stage3_prefetch_bucket_size,
+            max_live_numel=config.stage3_max_live_parameters,
         )
         optimizer.param_store = gatherer
     return ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer)

@@ -19,7 +19,13 @@ class ZeroConfig(StrictSection):
     """ZeRO data parallelism: shard optimizer state (stage 1), gradients (stage 2), parameters (stage 3)."""
 
     auto_fields: ClassVar[frozenset[str]] = frozenset(
-        {"reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold"}
+        {
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_prefetch_bucket_size",
+            "stage3_max_live_parameters",
+        }
     )
 
     stage: JsonInt = Field(
@@ -76,6 +82,23 @@ class ZeroConfig(StrictSection):
             "ZeRO-3 only: parameters with at most this many elements are not sharded; every "
             "rank keeps them whole (gathering them would cost more latency than it saves "
             "memory). DeepSpeed default 1e5."
+        ),
+    )
+
+    stage3_prefetch_bucket_size: JsonInt = Field(
+        50_000_000,
+        ge=0,
+        description=(
+            "ZeRO-3 only: how many parameter elements to all-gather ahead of the unit that runs "
+            "now (prefetch, overlapped with compute; 0 disables). DeepSpeed default 5e7."
+        ),
+    )
+    stage3_max_live_parameters: JsonInt = Field(
+        1_000_000_000,
+        gt=0,
+        description=(
+            "ZeRO-3 only: prefetching never makes more than this many parameter elements whole "
+            "(or in flight) on a rank at once. DeepSpeed default 1e9."
         ),
     )
 

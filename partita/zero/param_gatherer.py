@@ -23,7 +23,10 @@ parameter, and every transition is checked.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
+import zlib
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -32,6 +35,7 @@ from torch import nn
 from partita.distributed import collectives
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
+from partita.zero.unit_trace import Phase, TraceState, UnitTrace
 
 logger = logging.getLogger("partita")
 
@@ -49,8 +53,21 @@ def set_z3_leaf_modules(model: nn.Module, module_types: Sequence[type[nn.Module]
 
 
 class ParamState(enum.Enum):
+    """SHARDED -> GATHERING (prefetch in flight) -> GATHERED -> SHARDED."""
+
     SHARDED = "sharded"
+    GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """An asynchronous all-gather started by prefetch, not yet unpacked."""
+
+    work: Any
+    gathered: torch.Tensor
+    params: list[nn.Parameter]
+    columns: list[int]
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
@@ -82,7 +99,7 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        ctx.gatherer.gather_unit(ctx.unit)
+        ctx.gatherer.on_pre_backward(ctx.unit)
         return (None, None) + grads
 
 
@@ -109,8 +126,17 @@ class ParameterGatherer:
         process_group,
         world_size: int,
         persistence_threshold: int,
+        prefetch_numel: int = 50_000_000,
+        max_live_numel: int = 1_000_000_000,
     ) -> None:
         self._groups = groups
+        self._prefetch_numel = prefetch_numel
+        self._max_live_numel = max_live_numel
+        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight_of: dict[nn.Parameter, int] = {}
+        self._tickets = itertools.count()
+        self.trace = UnitTrace()
+        self.prefetch_count = 0  # all-gathers started ahead of need (observability and tests)
         self._process_group = process_group
         self._world_size = world_size
         self._where: dict[nn.Parameter, tuple[int, ShardSpec]] = {}
@@ -130,9 +156,11 @@ class ParameterGatherer:
             self._own_storage(param)
             self._free(param)
             self._state[param] = ParamState.SHARDED
+        self._root = model
+        self._unit_index = {unit: i for i, unit in enumerate(self._unit_params)}
         self._hooks = []
         for unit, params in self._unit_params.items():
-            if params:
+            if params or unit is model:  # the root's hooks also mark where a forward starts
                 self._hooks.append(unit.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(unit.register_forward_hook(self._post_forward))
         for param in self._state:
@@ -171,8 +199,46 @@ class ParameterGatherer:
         param.data.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ hooks
+    def _training_pass(self, unit: nn.Module) -> bool:
+        return torch.is_grad_enabled() and self._root.training
+
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
+        if not self._training_pass(unit):
+            self.gather_unit(unit)
+            return
+        if unit is self._root:
+            self.trace.begin_forward()
+        resume = self.trace.observe(unit, Phase.FORWARD)
         self.gather_unit(unit)
+        if resume is not None:
+            self._prefetch(self.trace.upcoming(Phase.FORWARD, resume))
+
+    def on_pre_backward(self, unit: nn.Module) -> None:
+        """Gradients reached ``unit``'s outputs: its parameters must be whole again."""
+        resume = self.trace.observe(unit, Phase.BACKWARD)
+        self.gather_unit(unit)
+        if resume is not None:
+            self._prefetch(self.trace.upcoming(Phase.BACKWARD, resume))
+
+    def _prefetch(self, upcoming: Sequence[nn.Module]) -> None:
+        """Start all-gathers for the next units, up to ``prefetch_numel`` elements ahead and
+        never past ``max_live_numel`` elements held whole or in flight."""
+        if self._world_size == 1:
+            return  # nothing to overlap: a gather is a local copy
+        live = sum(p.numel() for p, s in self._state.items() if s is not ParamState.SHARDED)
+        ahead = 0
+        for unit in upcoming:
+            if ahead >= self._prefetch_numel:
+                break
+            todo = [p for p in self._unit_params[unit] if self._state[p] is ParamState.SHARDED]
+            need = sum(p.numel() for p in todo)
+            if live + need > self._max_live_numel:
+                break
+            if todo:
+                self._start_gather(todo)
+                self.prefetch_count += 1
+            live += need
+            ahead += need
 
     def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
         is_root = unit is next(iter(self._unit_params))
@@ -190,9 +256,7 @@ class ParameterGatherer:
         return _map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
 
     def _release_one(self, param: nn.Parameter) -> None:
-        if self._state.get(param) is ParamState.GATHERED:
-            self._free(param)
-            self._state[param] = ParamState.SHARDED
+        self.release((param,))
 
     # ------------------------------------------------------------------ gather / release
     def gather_unit(self, unit: nn.Module) -> None:
@@ -203,42 +267,87 @@ class ParameterGatherer:
 
     @torch.no_grad()
     def gather(self, params: Iterable[nn.Parameter]) -> None:
-        """All-gather every SHARDED parameter among ``params`` with one collective."""
+        """Make every parameter in ``params`` whole: finish prefetches that cover some of
+        them, all-gather the rest with one collective."""
+        params = list(params)
+        for ticket in sorted({self._in_flight_of[p] for p in params if p in self._in_flight_of}):
+            self._finish_gather(ticket)
         todo = [p for p in params if self._state.get(p) is ParamState.SHARDED]
-        if not todo:
-            return
+        if todo:
+            self._finish_gather(self._start_gather(todo))
+
+    def _start_gather(self, params: list[nn.Parameter]) -> int:
         pieces, columns, column = [], [], 0
-        for param in todo:
+        for param in params:
+            self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
             g, spec = self._where[param]
             pieces.append(self.shards[g][spec.partition_offset : spec.partition_offset + spec.shard_numel])
             columns.append(column)
             column += spec.shard_numel
         local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        work = None
         if self._world_size == 1:
             gathered = local.view(1, -1)
         else:
             gathered = torch.empty((self._world_size, column), dtype=local.dtype, device=local.device)
-            collectives.all_gather_into_tensor(
-                gathered.view(-1), local, group=self._process_group, purpose="ZeRO-3 parameter all-gather"
+            work = collectives.all_gather_into_tensor(
+                gathered.view(-1), local, group=self._process_group, purpose="ZeRO-3 parameter all-gather",
+                async_op=True,
             )
-        for param, col in zip(todo, columns):
+        ticket = next(self._tickets)
+        self._in_flight[ticket] = _InFlight(work, gathered, params, columns)
+        for param in params:
+            self._in_flight_of[param] = ticket
+        return ticket
+
+    def _finish_gather(self, ticket: int) -> None:
+        flight = self._in_flight.pop(ticket)
+        collectives.wait(flight.work, purpose="ZeRO-3 parameter all-gather")
+        for param, col in zip(flight.params, flight.columns):
+            del self._in_flight_of[param]
             _, spec = self._where[param]
             param.data.untyped_storage().resize_(param.numel() * param.element_size())
-            unpack_from_columns(gathered, col, spec, param)
-            self._state[param] = ParamState.GATHERED
+            unpack_from_columns(flight.gathered, col, spec, param)
+            self._transition(param, ParamState.GATHERING, ParamState.GATHERED)
+
+    def _transition(self, param: nn.Parameter, expected: ParamState, new: ParamState) -> None:
+        state = self._state.get(param)
+        if state is not expected:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"partita rank {rank}: ZeRO-3 parameter of shape {tuple(param.shape)} is {state}, "
+                f"expected {expected} before becoming {new} (internal invariant broken)"
+            )
+        self._state[param] = new
 
     def release(self, params: Iterable[nn.Parameter]) -> None:
         for param in params:
-            state = self._state.get(param)
-            if state is None:
-                continue  # persistent: always whole
-            if state is ParamState.GATHERED:
+            if self._state.get(param) is ParamState.GATHERED:
                 self._free(param)
-                self._state[param] = ParamState.SHARDED
+                self._transition(param, ParamState.GATHERED, ParamState.SHARDED)
 
     def release_all(self) -> None:
-        """Free every gathered parameter (end of backward, end of an eval forward)."""
+        """End of backward: finish prefetches nobody used (every rank issued them, so they
+        must complete), free every gathered parameter, and settle the first step's trace."""
+        for ticket in sorted(self._in_flight):
+            self._finish_gather(ticket)
         self.release(list(self._state))
+        if self.trace.state is TraceState.RECORDING and self.trace.sequences[Phase.BACKWARD]:
+            self.trace.finish_recording(self._ranks_agree, self._unit_index)
+
+    def _ranks_agree(self, encoded: list[int]) -> bool:
+        """All ranks recorded the same trace iff the digests' variance is zero. Digests are
+        kept below 2**16 so the sums of squares stay exact in float64 up to 1024 ranks; every rank computes
+        the same answer from the same two sums."""
+        if self._world_size == 1:
+            return True
+        digest = float(zlib.crc32(str(encoded).encode()) % (1 << 16))
+        sums = torch.tensor([digest, digest * digest], dtype=torch.float64, device=self.shards[0].device)
+        collectives.all_reduce(sums, group=self._process_group, purpose="ZeRO-3 trace check")
+        total, total_sq = sums.tolist()
+        return total_sq * self._world_size == total * total
 
     def num_gathered(self) -> int:
         """Elements of non-persistent parameters currently held whole on this rank."""
