@@ -1,1 +1,7 @@
-"""ZeRO data parallelism: partition math, gradient reducer, sharded optimizer, stage policy."""
+"""ZeRO data parallelism: partition math, gradient reducer, sharded optimizer, stage policy,
+ZeRO-3 parameter gathering, and whole-parameter access (``GatheredParameters``)."""
+
+from partita.zero.gathered import GatheredParameters
+from partita.zero.param_gatherer import set_z3_leaf_modules
+
+__all__ = ["GatheredParameters", "set_z3_leaf_modules"]

@@ -66,6 +66,11 @@ class ShardedOptimizer:
         self.param_store = None
 
     @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group the partitions are split over."""
+        return self._process_group
+
+    @property
     def param_groups(self) -> list[dict]:
         """The inner optimizer's param groups (lr, weight_decay, ...), as torch exposes them."""
         return self.inner.param_groups

@@ -1,0 +1,135 @@
+"""Whole-parameter access under ZeRO: ``GatheredParameters`` and streaming full-weight export.
+
+Under ZeRO-3 a parameter holds no data outside its unit's forward and backward; under every
+stage the optimizer's fp32 master copy, not the model tensor, is the truth that the next
+step writes back. So reading a full parameter needs a gather, and *modifying* one must also
+update the master shards, or the next optimizer step silently undoes the edit.
+
+``GatheredParameters(params, modifier_rank=None)`` does both, with DeepSpeed's call shape:
+on enter every listed parameter is whole on every rank; on exit, if ``modifier_rank`` is
+given, that rank's values are broadcast, written into every rank's master shard (and ZeRO-3
+low-precision shard), and the parameters are freed again.
+
+Parameters find their ZeRO owner through a registry keyed by the parameter object (weak
+keys: nothing is attached to ``nn.Parameter`` and nothing outlives the model).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from partita.distributed import collectives
+
+# Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
+_OWNERS = WeakIdKeyDictionary()
+
+
+def register_owner(params: Iterable[nn.Parameter], owner: object) -> None:
+    """Record which ZeRO state (a :class:`partita.zero.api.ZeroState`) manages each parameter."""
+    for param in params:
+        _OWNERS[param] = owner
+
+
+def owner_of(param: nn.Parameter):
+    return _OWNERS.get(param)
+
+
+class GatheredParameters:
+    """Context manager: the given parameters are whole inside the block (all ranks must enter).
+
+    Args:
+        params: a parameter or an iterable of parameters (any mix of ZeRO-managed and plain).
+        modifier_rank: data-parallel rank whose in-block modifications are kept and
+            broadcast to all ranks; None means read-only (changes are discarded under ZeRO-3
+            and overwritten by the next optimizer step otherwise).
+        enabled: False makes the context a no-op.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self._params = [p for p in params if owner_of(p) is not None] if enabled else []
+        self._modifier_rank = modifier_rank
+
+    def __enter__(self) -> GatheredParameters:
+        for zero, params in self._by_owner():
+            if zero.gatherer is not None:
+                zero.gatherer.gather(params)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None:
+            self._release()
+            return
+        if self._modifier_rank is not None:
+            for zero, params in self._by_owner():
+                _adopt_modifications(zero, params, self._modifier_rank)
+        self._release()
+
+    def _release(self) -> None:
+        for zero, params in self._by_owner():
+            if zero.gatherer is not None:
+                zero.gatherer.release(params)
+
+    def _by_owner(self) -> Iterator[tuple[object, list[nn.Parameter]]]:
+        groups: dict[int, tuple[object, list[nn.Parameter]]] = {}
+        for p in self._params:
+            zero = owner_of(p)
+            groups.setdefault(id(zero), (zero, []))[1].append(p)
+        return iter(list(groups.values()))
+
+
+@torch.no_grad()
+def _adopt_modifications(zero, params: list[nn.Parameter], modifier_rank: int) -> None:
+    import torch.distributed as dist
+
+    topology_group = zero.optimizer.process_group
+
+    src = dist.get_global_rank(topology_group, modifier_rank) if topology_group is not None else modifier_rank
+    for param in params:
+        if dist.is_initialized() and dist.get_world_size(topology_group) > 1:
+            collectives.broadcast(param.data, src=src, group=topology_group, purpose="GatheredParameters broadcast")
+        for group in zero.optimizer.groups:
+            for p, spec, (start, end) in group.owned_slices():
+                if p is param:
+                    lo = spec.partition_offset
+                    group.master[lo : lo + end - start].copy_(param.data.reshape(-1)[start:end])
+    if zero.gatherer is not None:
+        zero.gatherer.refresh_shards()
+
+
+def iter_full_parameters(zero, named: Iterable[tuple[str, nn.Parameter]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` one parameter at a time, gathering and freeing as it goes,
+    so no rank ever holds more than one extra whole parameter (all ranks must iterate)."""
+    for name, param in named:
+        gatherer = zero.gatherer if owner_of(param) is zero else None
+        if gatherer is not None:
+            gatherer.gather([param])
+        try:
+            yield name, param.detach()
+        finally:
+            if gatherer is not None:
+                gatherer.release([param])
+
+
+@torch.no_grad()
+def iter_fp32_master(zero) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """Yield ``(param, full fp32 value)`` rebuilt from the master shards, one parameter at a
+    time (one all-gather each; all ranks must iterate)."""
+    optimizer = zero.optimizer
+    for group in optimizer.groups:
+        num_shards = group.layout.num_shards
+        for param, spec in zip(group.params, group.layout.specs):
+            mine = group.master[spec.partition_offset : spec.partition_offset + spec.shard_numel]
+            if num_shards == 1:
+                full = mine
+            else:
+                full = torch.empty(num_shards * spec.shard_numel, dtype=mine.dtype, device=mine.device)
+                collectives.all_gather_into_tensor(
+                    full, mine, group=optimizer.process_group, purpose="fp32 state-dict export"
+                )
+            yield param, full[: spec.numel].view(spec.shape)
