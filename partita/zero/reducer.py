@@ -154,6 +154,11 @@ class GradientReducer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._armed:
             return  # accumulate in param.grad until the last micro-batch of the window
+        if self._world_size == 1:
+            # Nothing to communicate or overlap: leave the gradient in param.grad, as plain
+            # torch does, and fold everything into the fp32 partition in finish_backward,
+            # once activations are freed (the fp32 partition is then allocated off-peak).
+            return
         b, i = self._bucket_of[param]
         bucket = self._buckets[b]
         if i not in bucket.pending:
@@ -175,7 +180,7 @@ class GradientReducer:
             self._received[entry.group][entry.spec.index] = True
         if self._world_size == 1:
             # Nothing to communicate: the partition is the whole group, so add the gradient
-            # straight into it and skip the bucket buffer (one full bucket less at the peak).
+            # straight into it; no bucket buffer.
             if grad is not None:
                 self._groups[entry.group].accumulate_grad(entry.spec.partition_offset, grad.reshape(-1), scale=1.0)
             return

@@ -64,7 +64,10 @@ class ShardedParamGroup:
         self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards)
         device = self.params[0].device
         self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
-        self.master.grad = torch.zeros_like(self.master)
+        # The fp32 gradient partition exists only from the first reduced gradient of a step
+        # until the optimizer step: allocated during backward (as activations are freed),
+        # not held through the forward, where the memory peak is.
+        self.master.grad = None
         self.load_master_from_params()
 
     @property
@@ -85,9 +88,11 @@ class ShardedParamGroup:
 
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
         """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
+        if self.master.grad is None:
+            self.master.grad = torch.zeros_like(self.master)
         target = self.master.grad[partition_start : partition_start + reduced.numel()]
         # In-place add promotes bf16/fp16 into the fp32 target without a full-size fp32 temporary.
         target.add_(reduced, alpha=scale)
 
     def zero_grad(self) -> None:
-        self.master.grad.zero_()
+        self.master.grad = None

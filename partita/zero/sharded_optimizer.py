@@ -89,7 +89,8 @@ class ShardedOptimizer:
         device = self.groups[0].master.device
         local = torch.zeros((), dtype=torch.float32, device=device)
         for group in self.groups:
-            local += torch.linalg.vector_norm(group.master.grad, dtype=torch.float32).square()
+            if group.master.grad is not None:  # None: nothing reduced into it (all zeros)
+                local += torch.linalg.vector_norm(group.master.grad, dtype=torch.float32).square()
         if self._num_shards == 1 and self._world_size > 1 and dist.get_rank(self._process_group) != 0:
             local.zero_()  # replicated gradients: count them once, not world_size times
         flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
@@ -127,7 +128,8 @@ class ShardedOptimizer:
             multiplier *= min(1.0, self._clip / (norm + 1e-6))
         if multiplier != 1.0:
             for group in self.groups:
-                group.master.grad.mul_(multiplier)
+                if group.master.grad is not None:
+                    group.master.grad.mul_(multiplier)
         kept = self._save_unused(used)
         self.inner.step()
         self._restore_unused(kept)
