@@ -22,13 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.activation_checkpointing.apply import apply_config as apply_activation_checkpointing_config
 from partita.config import PartitaConfig, load_config, resolve_batch_sizes
 from partita.data.sampler import ResumableDistributedSampler
 from partita.distributed import collectives
 from partita.distributed.init import current_device, init_distributed
 from partita.distributed.topology import Topology, build_topology
 from partita.engine import Engine
-from partita.optim.factory import build_optimizer
+from partita.monitor.setup import prepare_monitoring
+from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
 from partita.precision.loss_scaler import build_loss_scaler
@@ -99,6 +101,7 @@ def initialize(
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
     _configure_logging(topology)
+    prepare_monitoring(cfg)  # missing monitor package fails here; comms logger sees the weight broadcast
 
     if isinstance(optimizer, torch.optim.Optimizer):
         source_groups = optimizer.param_groups
@@ -110,6 +113,10 @@ def initialize(
 
     compute_dtype = _DTYPES[cfg.precision]
     _place_model(model, device=device, dtype=compute_dtype, topology=topology)
+    # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
+    apply_activation_checkpointing_config(
+        model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
+    )
 
     zero = apply_zero(
         model,
@@ -118,6 +125,8 @@ def initialize(
         topology=topology,
         gradient_clipping=cfg.gradient_clipping,
         build_inner_optimizer=_inner_optimizer_factory(optimizer, cfg, device.type),
+        # 8-bit optimizers quantise blocks of the partition: shards must be whole blocks.
+        alignment=required_alignment(cfg.optimizer if optimizer is None else None),
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
@@ -135,6 +144,10 @@ def initialize(
         config=cfg,
         training_dataloader=dataloader,
     )
+    if cfg.checkpoint.resume is not None:
+        from partita.checkpoint.resume import resume_from_config
+
+        resume_from_config(engine)  # checkpoint.resume: continue from the newest complete checkpoint
     return engine, zero.optimizer, dataloader, scheduler
 
 

@@ -67,6 +67,8 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.config = config
         self.training_dataloader = training_dataloader
+        # (path, client_state) of the last load_checkpoint, also when initialize() resumed (partita/checkpoint).
+        self.loaded_checkpoint: tuple[str, dict] | None = None
         self._batch = batch
         self.micro_steps = 0
         self.global_steps = 0
@@ -75,12 +77,7 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._backward_pending = False
-        self._step_log = StepLogger(
-            steps_per_print=config.steps_per_print if config is not None else 10,
-            wall_clock_breakdown=config.wall_clock_breakdown if config is not None else False,
-            device=device,
-            is_logging_rank=topology.rank == 0,
-        )
+        self._step_log = StepLogger(engine=self)  # needs device, topology, module, config set above
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails; forward to the module like DeepSpeed.
@@ -127,7 +124,7 @@ class Engine:
         """Run the module; floating-point tensor inputs are cast to the compute dtype."""
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floating(args, self.compute_dtype), _cast_floating(kwargs, self.compute_dtype)
-        with self._step_log.timer("forward"):
+        with self._step_log.forward_scope(args, kwargs):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
@@ -152,10 +149,13 @@ class Engine:
         scaled = loss.float() * (scale / self._batch.gradient_accumulation_steps)
         reducer = self.zero.reducer
         reduce_now = self.is_gradient_accumulation_boundary() or reducer.wants_reduction_every_micro_batch()
-        with self._step_log.timer("backward"):
+        with self._step_log.backward_scope():
             reducer.begin_backward(reduce=reduce_now)
-            scaled.backward(retain_graph=retain_graph)
-            reducer.finish_backward()
+            with self._step_log.timer("backward_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            # The reduction left after autograd (the rest overlapped it): DeepSpeed's bwd_allreduce.
+            with self._step_log.timer("backward_allreduce"):
+                reducer.finish_backward()
             if self.zero.gatherer is not None:
                 self.zero.gatherer.release_all()  # parameters that got no gradient are still whole
         self._backward_pending = True
@@ -202,6 +202,46 @@ class Engine:
         self.zero.reducer.take_received()
         self._backward_pending = False
 
+    # ------------------------------------------------------------------ checkpoints (partita/checkpoint)
+    def save_checkpoint(
+        self,
+        save_dir: str | None = None,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        *,
+        async_save: bool | None = None,
+    ) -> bool:
+        """Save the complete training state to ``save_dir/tag`` (default ``global_step{N}``); every
+        rank must call it. ``client_state``: JSON values and tensors, returned by load_checkpoint.
+        ``async_save`` (default: config ``checkpoint.async_save``) writes from a CPU copy in the
+        background. ``save_dir`` defaults to config ``checkpoint.save_dir``."""
+        from partita.checkpoint.save import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest, async_save=async_save)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | None = None,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
+        ``tag=None``: the tag in ``latest`` (the newest complete one if that is damaged).
+        Returns ``(path, client_state)``, or ``(None, None)`` when the directory has none."""
+        from partita.checkpoint.load import load_checkpoint
+
+        path, client_state = load_checkpoint(
+            self, load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )
+        if path is not None:
+            self.loaded_checkpoint = (path, client_state)
+        return path, client_state
+
     # ------------------------------------------------------------------ queries
     def get_global_grad_norm(self) -> float | None:
         """Global L2 norm of the unscaled gradients at the last optimizer step, before clipping."""
@@ -213,5 +253,41 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors"):
+        """Write the whole model in its compute dtype as safetensors (all ranks must call;
+        rank 0 writes). Works at every ZeRO stage, streaming one parameter at a time."""
+        from partita.zero.export import save_16bit_model
+
+        return save_16bit_model(self.module, self.zero, save_dir, save_filename)
+
+    def get_fp32_state_dict(self, rank0_only: bool = True) -> dict:
+        """Full fp32 weights from the optimizer's master shards, keyed like the model's
+        state_dict (all ranks must call; only rank 0 gets them when ``rank0_only``)."""
+        from partita.zero.export import fp32_state_dict
+
+        return fp32_state_dict(self.module, self.zero, rank0_only=rank0_only)
+
     def get_loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    # ------------------------------------------------------------------ monitoring (partita/monitor)
+    def set_flops_per_token(self, flops: float, *, tokens_per_sample: int | None = None) -> None:
+        """Training FLOPs per token (forward + backward) for the logged TFLOP/s and MFU."""
+        self._step_log.set_flops_per_token(flops, tokens_per_sample=tokens_per_sample)
+
+    def flops_profile(self):
+        """The flops profiler's :class:`partita.monitor.FlopsProfile` (None before profile_step)."""
+        return self._step_log.flops_profile
+
+    def comms_summary(self):
+        """This rank's :class:`partita.monitor.CommsSummary` (needs ``comms_logger.enabled``)."""
+        from partita.monitor.comms_logger import COMMS_LOGGER
+
+        return COMMS_LOGGER.summary()
+
+    def log_summary(self) -> str:
+        """Log (rank 0) and return throughput since warm-up and the communication summary."""
+        text = self._step_log.summary()
+        if text:
+            logger.info("%s", text)
+        return text

@@ -59,7 +59,8 @@ def test_unknown_type_lists_supported_and_suggests():
         (
             ("type",),
             "Value error, unknown optimizer type 'Adma'; did you mean 'Adam' or 'AdamW'? Supported: "
-            "Adam, AdamW, SGD, Lion. Other DeepSpeed optimizers (Lamb, OneBitAdam, ZeroOneAdam, "
+            "Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, PagedAdamW8bit, PagedAdam8bit, "
+            "PagedLion8bit. Other DeepSpeed optimizers (Lamb, OneBitAdam, ZeroOneAdam, "
             "OneBitLamb, Adagrad, Muon) are not implemented yet.",
         )
     ]
@@ -72,7 +73,8 @@ def test_known_deepspeed_type_not_implemented():
         (
             ("type",),
             "Value error, optimizer type 'onebitadam': DeepSpeed's OneBitAdam is not implemented "
-            "in partita yet. Supported: Adam, AdamW, SGD, Lion.",
+            "in partita yet. Supported: Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, "
+            "PagedAdamW8bit, PagedAdam8bit, PagedLion8bit.",
         )
     ]
 

@@ -13,8 +13,18 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
+from partita.activation_checkpointing.config import ActivationCheckpointingConfig
+from partita.checkpoint.config import CheckpointConfig
 from partita.config.base import JsonInt, Problem, StrictSection
 from partita.distributed.config import DistributedConfig
+from partita.monitor.config import (
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    ThroughputConfig,
+    WandbConfig,
+)
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, FP16Config
 from partita.zero.config import ZeroConfig
@@ -123,6 +133,41 @@ class PartitaConfig(StrictSection):
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig,
         description="partita only: process-group backend and collective timeout.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description=(
+            "DeepSpeed's tag_validation / load_universal / use_node_local_storage, plus partita's "
+            "save_dir, resume, async_save, handshake_timeout_seconds, verify_checksums."
+        ),
+    )
+    tensorboard: TensorBoardConfig = Field(
+        default_factory=TensorBoardConfig,
+        description="TensorBoard event files of the step metrics (rank 0). DeepSpeed default: disabled.",
+    )
+    csv_monitor: CSVMonitorConfig = Field(
+        default_factory=CSVMonitorConfig,
+        description="One CSV file per step metric (rank 0). DeepSpeed default: disabled.",
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig,
+        description="Weights & Biases logging of the step metrics (rank 0). DeepSpeed default: disabled.",
+    )
+    comms_logger: CommsLoggerConfig = Field(
+        default_factory=CommsLoggerConfig,
+        description="Count, size, latency and bandwidth of every collective. DeepSpeed default: disabled.",
+    )
+    flops_profiler: FlopsProfilerConfig = Field(
+        default_factory=FlopsProfilerConfig,
+        description="Params, FLOPs, MACs and latency per module at one step. DeepSpeed default: disabled.",
+    )
+    throughput: ThroughputConfig = Field(
+        default_factory=ThroughputConfig,
+        description="partita only: warm-up steps, FLOPs per token and device peak for throughput and MFU.",
+    )
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="Recompute activations in backward; \"policy\" wraps the model's blocks. DeepSpeed default: off.",
     )
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)

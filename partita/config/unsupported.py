@@ -1,10 +1,10 @@
 """DeepSpeed settings that partita does not implement yet, and when they are harmless.
 
 A DeepSpeed config copied into partita may carry keys for features partita lacks
-(offload, ZeRO-3 tuning, monitors, pipeline parallelism, ...). Silently ignoring them
+(offload, ZeRO-3 tuning, the Comet monitor, pipeline parallelism, ...). Silently ignoring them
 would train something other than what the user asked for, so each one is rejected with
 a message that says so. A key set to DeepSpeed's own default has no effect in DeepSpeed
-either (``"tensorboard": {"enabled": false}``, ``"offload_optimizer": {"device": "none"}``,
+either (``"comet": {"enabled": false}``, ``"offload_optimizer": {"device": "none"}``,
 ``"round_robin_gradients": false``, or ``"auto"``, which DeepSpeed drops), so it is
 accepted: those appear in many shared configs and mean "feature off".
 
@@ -81,30 +81,13 @@ def _off(**extra: Any) -> dict[str, Any]:
     return {"enabled": False, **extra}
 
 
-_MONITOR = "Log metrics from your training loop meanwhile (engine.get_lr(), the loss you compute)."
+_MONITOR = 'Use "tensorboard", "wandb" or "csv_monitor" instead: they log the same metrics.'
 
 # Keyed by the path of the section that holds the key; () is the top level.
 UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
     (): {
-        "activation_checkpointing": Unsupported(
-            {
-                "partition_activations": False,
-                "cpu_checkpointing": False,
-                "contiguous_memory_optimization": False,
-                "synchronize_checkpoint_boundary": False,
-                "profile": False,
-                "number_checkpoints": None,
-            },
-            "Wrap blocks with torch.utils.checkpoint.checkpoint in your model meanwhile.",
-        ),
-        "tensorboard": Unsupported(_off(), _MONITOR),
-        "wandb": Unsupported(_off(), _MONITOR),
-        "csv_monitor": Unsupported(_off(), _MONITOR),
         "comet": Unsupported(_off(), _MONITOR),
-        "flops_profiler": Unsupported(_off(), "torch.utils.flop_counter.FlopCounterMode counts FLOPs meanwhile."),
-        "comms_logger": Unsupported(_off()),
         "pipeline": Unsupported({}),
-        "checkpoint": Unsupported({"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False}),
         "aio": Unsupported({}),
         "data_types": Unsupported({"grad_accum_dtype": None}),
         "communication_data_type": Unsupported(None),
@@ -172,6 +155,10 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
     ("fp16",): {
         "auto_cast": Unsupported(False),
         "fp16_master_weights_and_grads": Unsupported(False),
+    },
+    ("flops_profiler",): {
+        # Activation-checkpointing recomputation; partita's profiler measures the real backward.
+        "recompute_fwd_factor": Unsupported(0.0),
     },
     ("bf16",): {
         "immediate_grad_update": Unsupported(False),

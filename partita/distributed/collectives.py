@@ -1,9 +1,9 @@
 """The collectives partita's strategies issue, in one place.
 
 Every strategy calls these thin wrappers instead of ``torch.distributed`` directly, so one
-module sees every collective: the communication logger (``comms_logger``) hooks in here,
-and a failure is turned into an error that names the operation (a dead peer otherwise
-surfaces as a bare backend message).
+module sees every collective: the communication logger (``comms_logger``,
+:mod:`partita.monitor.comms_logger`) times each one here, and a failure is turned into an
+error that names the operation (a dead peer otherwise surfaces as a bare backend message).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from partita.distributed.collective_errors import explain_collective_failure
+from partita.monitor.comms_logger import COMMS_LOGGER
 
 __all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"]
 
@@ -20,30 +21,41 @@ def all_reduce(
     tensor: torch.Tensor, *, group: dist.ProcessGroup | None, purpose: str, async_op: bool = False
 ) -> dist.Work | None:
     """Sum ``tensor`` over ``group`` in place."""
+    token = COMMS_LOGGER.start("all_reduce", _nbytes(tensor), tensor, group, purpose)
     with explain_collective_failure(purpose):
-        return dist.all_reduce(tensor, group=group, async_op=async_op)
+        work = dist.all_reduce(tensor, group=group, async_op=async_op)
+    COMMS_LOGGER.finish(token, work)
+    return work
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None, purpose: str, async_op: bool = False
 ) -> dist.Work | None:
     """Sum ``input`` over ``group``; rank r keeps chunk r in ``output``."""
+    token = COMMS_LOGGER.start("reduce_scatter_tensor", _nbytes(input), input, group, purpose)
     with explain_collective_failure(purpose):
-        return dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op)
+        work = dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op)
+    COMMS_LOGGER.finish(token, work)
+    return work
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None, purpose: str, async_op: bool = False
 ) -> dist.Work | None:
     """Concatenate every rank's ``input`` into ``output`` (rank order)."""
+    token = COMMS_LOGGER.start("all_gather_into_tensor", _nbytes(output), output, group, purpose)
     with explain_collective_failure(purpose):
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    COMMS_LOGGER.finish(token, work)
+    return work
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup | None, purpose: str) -> None:
     """Copy global rank ``src``'s ``tensor`` to every rank of ``group``."""
+    token = COMMS_LOGGER.start("broadcast", _nbytes(tensor), tensor, group, purpose)
     with explain_collective_failure(purpose):
         dist.broadcast(tensor, src=src, group=group)
+    COMMS_LOGGER.finish(token, None)
 
 
 def wait(work: dist.Work | None, *, purpose: str) -> None:
@@ -52,3 +64,9 @@ def wait(work: dist.Work | None, *, purpose: str) -> None:
         return
     with explain_collective_failure(purpose):
         work.wait()
+    COMMS_LOGGER.waited(work)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    # The message size nccl-tests reports for the op (see partita.monitor.comms_logger).
+    return tensor.numel() * tensor.element_size()

@@ -3,7 +3,8 @@
 ``partita run`` is a thin front end to torchrun (``torch.distributed.run``): it works out
 the node layout from flags, a DeepSpeed hostfile or the SLURM allocation, then hands
 process management, restarts and failure reporting to torch.distributed.elastic, which
-already does them well. ``partita env`` prints the environment report.
+already does them well. ``partita env`` prints the environment report; ``partita plot``
+charts logged runs (:mod:`partita.monitor.plot`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ layouts (strongest first):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partita", description="partita distributed training tools")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint}")
 
     run = commands.add_parser(
         "run", help="launch a training script on every local GPU (or CPU) through torchrun",
@@ -52,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     commands.add_parser("env", help="print versions, devices, backends and optional extras")
+
+    plot = commands.add_parser("plot", help="PNG charts of loss, throughput, memory and grad norm of runs",
+                               description="Plot runs logged by csv_monitor or tensorboard, overlaid.")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output_path/job_name directory")
+    plot.add_argument("-o", "--out-dir", default="plots", help="where the PNG files go (default ./plots)")
+    plot.add_argument("--x", dest="x_axis", choices=("steps", "samples"), default="steps",
+                      help="x axis: optimizer steps (default) or samples trained")
+
+    from partita.checkpoint.cli import add_checkpoint_parser  # import-light: no torch
+
+    add_checkpoint_parser(commands)
     return parser
 
 
@@ -119,6 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(env_report())
         return 0
+    if args.command == "plot":
+        from partita.monitor.plot_cli import plot_command
+
+        return plot_command(args.run_dirs, args.out_dir, x_axis=args.x_axis)
+    if args.command == "checkpoint":
+        from partita.checkpoint.cli import run_checkpoint_command
+
+        return run_checkpoint_command(args)
     return _run(args)
 
 

@@ -2,7 +2,7 @@
 ``scheduler`` sections (DeepSpeed's names, defaults and formulas)."""
 
 from partita.optim.config import OptimizerConfig, SchedulerConfig
-from partita.optim.factory import build_optimizer
+from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.lion import Lion
 from partita.optim.schedulers import (
     OneCycle,
@@ -16,6 +16,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "build_optimizer",
+    "required_alignment",
     "build_scheduler",
     "Lion",
     "WarmupLR",

@@ -42,6 +42,8 @@ __all__ = [
     "AdamWParams",
     "SGDParams",
     "LionParams",
+    "AdamW8bitParams",
+    "Adam8bitParams",
     "OptimizerConfig",
     "WarmupLRParams",
     "WarmupDecayLRParams",
@@ -173,15 +175,59 @@ class LionParams(_OptimizerParams):
     weight_decay: NonNegFloat = 0.0
 
 
+class AdamW8bitParams(_OptimizerParams):
+    """bitsandbytes' 8-bit AdamW (partita's defaults, not bitsandbytes' weight_decay 0.01)."""
+
+    lr: NonNegFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+
+
+class Adam8bitParams(AdamW8bitParams):
+    """bitsandbytes' 8-bit Adam, whose kernel always decouples weight decay (as AdamW)."""
+
+    adam_w_mode: bool = True
+
+    @model_validator(mode="after")
+    def _decoupled_only(self) -> Adam8bitParams:
+        # Without weight decay both modes are the same update; with it, refuse rather than
+        # silently run AdamW when L2-style decay was asked for.
+        if not self.adam_w_mode and self.weight_decay > 0:
+            raise ValueError(
+                f"adam_w_mode=false with weight_decay={self.weight_decay}: bitsandbytes' 8-bit Adam "
+                "only has decoupled (AdamW) weight decay; remove adam_w_mode or use type \"Adam\""
+            )
+        return self
+
+
 _OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
     "SGD": SGDParams,
     "Lion": LionParams,
+    # 8-bit states through bitsandbytes (partita.optim.eight_bit); "Paged": states in CUDA
+    # unified memory that page out to the host under pressure (plain 8-bit on CPU).
+    "AdamW8bit": AdamW8bitParams,
+    "Adam8bit": Adam8bitParams,
+    "Lion8bit": LionParams,
+    "PagedAdamW8bit": AdamW8bitParams,
+    "PagedAdam8bit": Adam8bitParams,
+    "PagedLion8bit": LionParams,
 }
 OPTIMIZER_TYPES: tuple[str, ...] = tuple(_OPTIMIZER_PARAMS)
 # DeepSpeed config types partita knows about but does not implement.
 _PENDING_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Muon")
+_FOUR_BIT = ("AdamW4bit", "Adam4bit")
+
+
+def _refuse_four_bit(value: Any) -> None:
+    if isinstance(value, str) and value.lower() in {name.lower() for name in _FOUR_BIT}:
+        raise ValueError(
+            f"optimizer type {value!r} is not implemented: partita's low-bit optimizers come from "
+            "bitsandbytes, which has no 4-bit optimizer (torchao's 4-bit states are tensor "
+            "subclasses partita cannot shard or checkpoint yet); use \"AdamW8bit\""
+        )
 
 
 def _validate_params(
@@ -205,12 +251,15 @@ def _validate_params(
 class OptimizerConfig(StrictSection):
     """``{"type": "AdamW", "params": {...}}``; ``params`` is the per-type model."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Lion"]
+    type: Literal[
+        "Adam", "AdamW", "SGD", "Lion", "AdamW8bit", "Adam8bit", "Lion8bit", "PagedAdamW8bit", "PagedAdam8bit", "PagedLion8bit"
+    ]
     params: SerializeAsAny[_OptimizerParams] = Field(default_factory=dict)
 
     @field_validator("type", mode="before")
     @classmethod
     def _canonical(cls, value: Any) -> str:
+        _refuse_four_bit(value)
         return _canonical_type(
             value, supported=OPTIMIZER_TYPES, known_elsewhere=_PENDING_OPTIMIZERS, what="optimizer"
         )

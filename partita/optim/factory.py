@@ -2,7 +2,8 @@
 
 Adam, AdamW and SGD are torch's own: its fused Adam/AdamW kernels run on CUDA and (since
 torch 2.4) on CPU as fast as DeepSpeed's hand-written CPU Adam, so there is nothing to gain
-from a custom kernel. Lion is ours (torch has none, see :mod:`partita.optim.lion`).
+from a custom kernel. Lion is ours (torch has none, see :mod:`partita.optim.lion`). The
+8-bit types come from bitsandbytes (:mod:`partita.optim.eight_bit` says why).
 """
 
 from __future__ import annotations
@@ -13,9 +14,22 @@ from typing import Any
 import torch
 
 from partita.optim.config import AdamParams, LionParams, OptimizerConfig, SGDParams
+from partita.optim.eight_bit import BLOCK_SIZE, EIGHT_BIT_CLASSES, build_eight_bit_optimizer
 from partita.optim.lion import Lion
 
-__all__ = ["build_optimizer", "fused_adam_supported"]
+__all__ = ["build_optimizer", "fused_adam_supported", "required_alignment"]
+
+
+def required_alignment(config: OptimizerConfig | None) -> int:
+    """Elements every ZeRO shard must be a multiple of for this optimizer (``ShardLayout`` alignment).
+
+    8-bit optimizers quantise their states in blocks of 256 elements of the flat partition;
+    with shards of whole blocks a block never spans two parameters and the result does not
+    depend on the world size. Element-wise optimizers need no alignment (1).
+    """
+    if config is not None and config.type in EIGHT_BIT_CLASSES:
+        return BLOCK_SIZE
+    return 1
 
 
 @functools.cache
@@ -52,6 +66,8 @@ def build_optimizer(
     """
     groups = _copy_groups(param_groups)
     params = config.params
+    if config.type in EIGHT_BIT_CLASSES:  # before the isinstance checks: Lion8bit has LionParams
+        return build_eight_bit_optimizer(config.type, params, groups)
     if isinstance(params, AdamParams):  # covers AdamWParams
         return _build_adam(config.type, params, groups, device_type=device_type)
     if isinstance(params, SGDParams):

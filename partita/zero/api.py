@@ -39,6 +39,7 @@ def apply_zero(
     topology: Topology,
     gradient_clipping: float,
     build_inner_optimizer: InnerOptimizerFactory,
+    alignment: int = 1,
 ) -> ZeroState:
     """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
 
@@ -51,6 +52,8 @@ def apply_zero(
         gradient_clipping: max global gradient norm, 0 for none.
         build_inner_optimizer: called with ``[{"params": [master], **options}, ...]`` (one
             flat fp32 master tensor per group) and returns the torch optimizer that steps them.
+        alignment: every shard is a multiple of this many elements (block-wise optimizers
+            need their block size, see ``partita.optim.factory.required_alignment``).
     """
     policy = ZeroPolicy.for_stage(config.stage)
     num_shards = policy.num_shards(topology.data_size)
@@ -63,7 +66,9 @@ def apply_zero(
         params = sorted(raw["params"], key=lambda p: -order[p])
         options = {k: v for k, v in raw.items() if k != "params"}
         groups.append(
-            ShardedParamGroup(params, options=options, num_shards=num_shards, shard_rank=shard_rank)
+            ShardedParamGroup(
+                params, options=options, num_shards=num_shards, shard_rank=shard_rank, alignment=alignment
+            )
         )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
     optimizer = ShardedOptimizer(

@@ -57,11 +57,12 @@ class ShardedParamGroup:
         options: dict,
         num_shards: int,
         shard_rank: int,
+        alignment: int = 1,
     ) -> None:
         self.params = list(params)
         self.options = dict(options)
         self.shard_rank = shard_rank
-        self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards)
+        self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards, alignment=alignment)
         device = self.params[0].device
         self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
         # The fp32 gradient partition exists only from the first reduced gradient of a step

@@ -19,6 +19,10 @@ from partita.distributed import collectives
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 
 
+# Optimizer-state keys of block-wise (8-bit) optimizers; see partita/optim/eight_bit.py.
+_BLOCK_WISE_KEYS = ("state1", "state2")
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one optimizer step did.
@@ -137,26 +141,32 @@ class ShardedOptimizer:
         self.write_back_params()
         return StepResult(applied=True, grad_norm=norm)
 
-    def _tensors_of(self, group: ShardedParamGroup) -> list[torch.Tensor]:
-        """The master partition and every optimizer-state tensor laid out like it."""
+    def _state_views(self, group: ShardedParamGroup, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of the master partition and of every optimizer-state tensor covering
+        partition elements ``[lo, hi)`` (one parameter's shard)."""
         state = self.inner.state.get(group.master, {})
-        return [group.master] + [t for t in state.values() if torch.is_tensor(t) and t.shape == group.master.shape]
+        if any(key in state for key in _BLOCK_WISE_KEYS):
+            # 8-bit states: per-element codes plus per-block scales (layout is block-aligned).
+            from partita.optim.eight_bit import range_views
 
-    def _save_unused(self, used: list[list[bool]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+            return [group.master[lo:hi]] + range_views(state, lo, hi)
+        shaped = [t for t in state.values() if torch.is_tensor(t) and t.shape == group.master.shape]
+        return [t[lo:hi] for t in [group.master] + shaped]
+
+    def _save_unused(self, used: list[list[bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         kept = []
         for group, group_used in zip(self.groups, used):
             for spec, was_used in zip(group.layout.specs, group_used):
-                if was_used:
-                    continue
-                lo, hi = spec.partition_offset, spec.partition_offset + spec.shard_numel
-                kept.extend((t, lo, t[lo:hi].clone()) for t in self._tensors_of(group))
+                if not was_used:
+                    lo, hi = spec.partition_offset, spec.partition_offset + spec.shard_numel
+                    kept.extend((view, view.clone()) for view in self._state_views(group, lo, hi))
         return kept
 
     @staticmethod
     @torch.no_grad()
-    def _restore_unused(kept: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
-        for tensor, lo, saved in kept:
-            tensor[lo : lo + saved.numel()].copy_(saved)
+    def _restore_unused(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for view, saved in kept:
+            view.copy_(saved)
 
     @torch.no_grad()
     def write_back_params(self) -> None:

@@ -1,0 +1,172 @@
+"""``partita checkpoint inspect|verify|consolidate``: look at, check and export checkpoints offline.
+
+Runs in one process without torch.distributed. DIR is a save directory (holding tags and
+``latest``) or one tag directory. Imports stay inside the functions so that building the
+``partita`` argument parser does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_checkpoint_parser", "main", "run_checkpoint_command"]
+
+
+def add_checkpoint_parser(commands: Any) -> None:
+    """Add the ``checkpoint`` subcommand to the ``partita`` parser's subparsers."""
+    parser = commands.add_parser(
+        "checkpoint", help="inspect, verify or consolidate partita checkpoints",
+        description="Inspect, verify or consolidate partita checkpoints (DIR: a save directory or one tag directory).",
+    )
+    sub = parser.add_subparsers(dest="checkpoint_command", required=True, metavar="{inspect,verify,consolidate}")
+    inspect = sub.add_parser("inspect", help="list tags with step, world size, ZeRO stage, precision, size")
+    inspect.add_argument("dir")
+    verify = sub.add_parser("verify", help="check every file's size and sha256 against the manifest")
+    verify.add_argument("dir")
+    verify.add_argument("--tag", default=None, help="only this tag (default: every tag)")
+    consolidate = sub.add_parser(
+        "consolidate", help="write full weights (from the fp32 master shards) as sharded safetensors + index",
+    )
+    consolidate.add_argument("dir")
+    consolidate.add_argument("out", help="output directory")
+    consolidate.add_argument("--tag", default=None, help="default: latest (or the newest complete tag)")
+    consolidate.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                             help="dtype of floating tensors (default fp32)")
+    consolidate.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
+
+
+def _human(size: float) -> str:
+    unit = "B"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000:
+            break
+        size /= 1000
+    return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def _split_dir(path: Path) -> tuple[Path, str | None]:
+    """(save_dir, tag) for a tag directory, (path, None) for a save directory."""
+    from partita.checkpoint.format import MANIFEST_FILE, PARTIAL_SUFFIX
+
+    if (path / MANIFEST_FILE).exists() or path.name.endswith(PARTIAL_SUFFIX):
+        return path.parent, path.name
+    return path, None
+
+
+def _inspect(path: Path) -> int:
+    from partita.checkpoint.manifest import read_latest, scan_tags
+
+    save_dir, only = _split_dir(path)
+    latest = read_latest(save_dir)
+    tags = [t for t in scan_tags(save_dir) if only is None or t.path.name == only]
+    if not tags:
+        print(f"{path}: no checkpoints")
+        return 1
+    print(f"{save_dir}  (latest: {latest or 'none'})")
+    for info in tags:
+        if not info.complete:
+            print(f"  {info.tag:<24} incomplete: {info.problem}")
+            continue
+        m = info.manifest
+        size = sum(f["size"] for f in m["files"].values())
+        saved = datetime.fromtimestamp(m.get("saved_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
+        mark = "  <- latest" if info.tag == latest else ""
+        print(
+            f"  {info.tag:<24} step {m.get('global_steps')}  samples {m.get('global_samples')}  world {m.get('world_size')}  "
+            f"stage {m.get('zero_stage')}  {m.get('precision')}  {_human(size)} in {len(m['files'])} files  {saved}{mark}"
+        )
+    return 0
+
+
+def _verify(path: Path, tag: str | None) -> int:
+    from partita.checkpoint.errors import CheckpointCorruptError
+    from partita.checkpoint.manifest import check_files, read_manifest, scan_tags
+
+    save_dir, only = _split_dir(path)
+    only = tag or only
+    if only is not None:
+        targets = [(only, save_dir / only)]
+    else:
+        targets = [(t.tag, t.path) for t in scan_tags(save_dir) if t.complete]
+        incomplete = [t for t in scan_tags(save_dir) if not t.complete]
+        for t in incomplete:
+            print(f"{t.tag}: incomplete ({t.problem}); loading ignores it")
+    if not targets:
+        print(f"{path}: no complete checkpoint to verify")
+        return 1
+    bad = 0
+    for name, tag_dir in targets:
+        try:
+            manifest = read_manifest(tag_dir)
+            problems = check_files(tag_dir, manifest, hash_names=set(manifest["files"]))
+        except CheckpointCorruptError as error:
+            problems = [str(error)]
+        if problems:
+            bad += 1
+            print(f"{name}: DAMAGED")
+            for problem in problems:
+                print(f"  {problem}")
+        else:
+            print(f"{name}: ok ({len(manifest['files'])} files, sizes and sha256 match)")
+    return 1 if bad else 0
+
+
+def _resolve_tag(save_dir: Path, tag: str | None) -> Path:
+    from partita.checkpoint.errors import CheckpointCorruptError
+    from partita.checkpoint.manifest import check_files, read_latest, read_manifest, scan_tags
+
+    if tag is not None:
+        read_manifest(save_dir / tag)
+        return save_dir / tag
+    latest = read_latest(save_dir)
+    candidates = ([latest] if latest else []) + [t.tag for t in scan_tags(save_dir) if t.complete and t.tag != latest]
+    for candidate in candidates:
+        try:
+            if not check_files(save_dir / candidate, read_manifest(save_dir / candidate), hash_names=set()):
+                if candidate != latest:
+                    print(f"using {candidate} (latest {latest!r} is missing or incomplete)")
+                return save_dir / candidate
+        except CheckpointCorruptError:
+            continue
+    raise CheckpointCorruptError(f"{save_dir} holds no complete checkpoint")
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from partita.checkpoint.consolidate import consolidate
+
+    save_dir, tag = _split_dir(Path(args.dir))
+    tag_dir = _resolve_tag(save_dir, args.tag or tag)
+    index = consolidate(tag_dir, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    print(f"wrote {index.parent} (from {tag_dir}, {args.dtype})")
+    return 0
+
+
+def run_checkpoint_command(args: argparse.Namespace) -> int:
+    """Run a parsed ``partita checkpoint ...`` command; returns the exit status."""
+    from partita.checkpoint.errors import CheckpointError
+
+    try:
+        if args.checkpoint_command == "inspect":
+            return _inspect(Path(args.dir))
+        if args.checkpoint_command == "verify":
+            return _verify(Path(args.dir), args.tag)
+        return _consolidate(args)
+    except (CheckpointError, ValueError, OSError) as error:
+        print(f"partita checkpoint: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``partita checkpoint`` on its own (``python -m partita.checkpoint.cli inspect DIR``)."""
+    parser = argparse.ArgumentParser(prog="partita")
+    add_checkpoint_parser(parser.add_subparsers(dest="command", required=True))
+    return run_checkpoint_command(parser.parse_args(["checkpoint", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

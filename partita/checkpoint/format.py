@@ -1,0 +1,75 @@
+"""The on-disk checkpoint format: directory layout, file names and tensor keys.
+
+[Note: checkpoint format, version 1]
+
+    save_dir/
+      latest                      the newest complete tag (text; replaced atomically)
+      <tag>.partial/              a save in progress (renamed to <tag> once every rank is done)
+      <tag>/
+        manifest.json             written last: every other file's size and sha256, summary
+        meta.json                 rank 0: counters, config, parameter table, optimizer groups
+                                  (hyperparameters, scalar state), loss scaler, LR scheduler,
+                                  sampler position, client_state (JSON; tensors by reference)
+        model.safetensors         rank 0: the module's state_dict in its own dtype; tied
+                                  parameters stored once (meta.json lists the aliases)
+        state.safetensors         rank 0: the tensors meta.json refers to (optimizer scalars such
+                                  as Adam's step, client_state tensors, scheduler tensors)
+        rank00000.safetensors     one per rank: that rank's random generator states and its
+        rank00001.safetensors     shards of the fp32 master weights and optimizer states
+
+Shards are stored per parameter, flattened, as the element range ``[start, end)`` of the
+full parameter that the rank owned: keys ``master/<param name>`` and ``state/<key>/<param
+name>`` (``state/exp_avg/fc1.weight``). meta.json's parameter table records, for every
+trainable parameter, its group, full shape and the list of ``{file, start, end}`` shards.
+A load on any world size and ZeRO stage reads, for each range it owns now, the overlapping
+parts of the saved shards: no conversion step, and a rank reads only what it needs.
+At stage 0 every rank holds the whole state, so only rank 0 writes shards (one range per
+parameter covering it all). ZeRO-3 uses the same table; its model file may then omit the
+sharded parameters, which are rebuilt from the fp32 master shards.
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_NAME = "partita-checkpoint"
+FORMAT_VERSION = 1
+
+LATEST_FILE = "latest"
+MANIFEST_FILE = "manifest.json"
+META_FILE = "meta.json"
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.safetensors"
+PARTIAL_SUFFIX = ".partial"
+RNG_METADATA_KEY = "partita_rng"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def master_key(param_name: str) -> str:
+    return f"master/{param_name}"
+
+
+def state_key(state_name: str, param_name: str) -> str:
+    return f"state/{state_name}/{param_name}"
+
+
+def local_state_key(group: int, state_name: str) -> str:
+    """Optimizer state that is laid out per rank and cannot be resharded (block-wise scales...)."""
+    return f"local/group{group}/{state_name}"
+
+
+_BAD_TAG = re.compile(r"[/\\\x00]")
+
+
+def check_tag(tag: str) -> str | None:
+    """Why ``tag`` cannot name a checkpoint directory, or None when it can."""
+    if not isinstance(tag, str) or not tag:
+        return f"the tag must be a non-empty string, got {tag!r}"
+    if _BAD_TAG.search(tag) or tag in (".", ".."):
+        return f"the tag {tag!r} must be a plain directory name (no '/', '\\' or NUL, not '.' or '..')"
+    if tag == LATEST_FILE or tag.startswith(".") or tag.endswith(PARTIAL_SUFFIX):
+        return f"the tag {tag!r} is reserved (not 'latest', not starting with '.', not ending in '{PARTIAL_SUFFIX}')"
+    return None

@@ -1,0 +1,371 @@
+"""``engine.load_checkpoint``: pick a complete, verified tag, then restore each piece of state.
+
+Choosing the tag is a joint decision: rank 0 lists the candidates (the requested tag, or
+``latest`` followed by every other complete tag, newest first); for each, the ranks split the
+checksum work, post what they found, and all take the first candidate without problems.
+With ``tag=None`` a damaged ``latest`` is skipped with a warning naming the damaged file;
+with an explicit tag the damage is an error.
+
+Restoring reads only what this rank needs: module weights (every rank holds them at stages
+0-2), then for each parameter range this rank owns *now* the overlapping parts of the saved
+fp32 master and optimizer-state shards (:mod:`partita.checkpoint.reshard`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from partita.checkpoint import format as fmt
+from partita.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from partita.checkpoint.jsoncodec import decode
+from partita.checkpoint.manifest import check_files, read_latest, read_manifest, scan_tags
+from partita.checkpoint.reshard import ShardReader
+from partita.checkpoint.rng import restore_rng
+from partita.checkpoint.save import checkpoint_config, long_timeout_s, wait_for_pending_save
+from partita.checkpoint.snapshot import IMPLEMENTATION_OPTIONS, LOCAL_MASTER, param_names, shard_file_of, sharded_param_keys
+from partita.checkpoint.sync import Coordinator
+from partita.data.sampler import ResumableDistributedSampler
+
+if TYPE_CHECKING:
+    from partita.engine import Engine
+
+logger = logging.getLogger("partita")
+
+
+def load_checkpoint(
+    engine: Engine,
+    load_dir: str | os.PathLike[str] | None,
+    *,
+    tag: str | None = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Restore a checkpoint; see :meth:`partita.engine.Engine.load_checkpoint`."""
+    wait_for_pending_save()
+    cfg = checkpoint_config(engine)
+    if load_dir is None:
+        load_dir = cfg.save_dir
+    coordinator = Coordinator("load_checkpoint", handshake_timeout_s=cfg.handshake_timeout_seconds, long_timeout_s=long_timeout_s(engine))
+    problem, candidates = None, []
+    if load_dir is None:
+        problem = "no directory: pass load_checkpoint(load_dir, ...) or set checkpoint.save_dir in the config"
+    elif tag is not None and fmt.check_tag(tag) is not None:
+        problem = fmt.check_tag(tag)
+    elif coordinator.rank == 0:
+        candidates = _candidates(Path(load_dir), tag)
+    payloads = coordinator.handshake({"tag": tag, "error": problem, "candidates": candidates})
+    failures = [(r, p["error"]) for r, p in enumerate(payloads) if p["error"]]
+    if failures:
+        raise CheckpointError("load_checkpoint did not start: " + "; ".join(f"rank {r}: {m}" for r, m in failures))
+    candidates = payloads[0]["candidates"]
+    load_dir = Path(load_dir)
+    if not candidates:
+        if coordinator.rank == 0:
+            logger.warning("no checkpoint found in %s (no 'latest' file and no complete tag); nothing was loaded", load_dir)
+        return None, None
+
+    chosen, skipped = None, []
+    for index, candidate in enumerate(candidates):
+        problems = _verify_jointly(coordinator, load_dir / candidate, index=index, checksums=cfg.verify_checksums)
+        if not problems:
+            chosen = candidate
+            break
+        if tag is not None:
+            raise CheckpointCorruptError(
+                f"checkpoint {load_dir / candidate} cannot be loaded: " + "; ".join(problems)
+                + f". Load another tag (partita checkpoint inspect {load_dir} lists them)"
+            )
+        skipped.append((candidate, problems))
+    if chosen is None:
+        detail = " | ".join(f"{t}: {'; '.join(p)}" for t, p in skipped)
+        raise CheckpointCorruptError(f"no complete checkpoint in {load_dir} passes verification: {detail}")
+    if skipped and coordinator.rank == 0:
+        for bad, problems in skipped:
+            logger.warning("checkpoint %s is damaged (%s); falling back to the next newest complete one", load_dir / bad, "; ".join(problems))
+        logger.warning("loading checkpoint %s instead of %s", load_dir / chosen, load_dir / skipped[0][0])
+
+    path = load_dir / chosen
+    client_state = _restore(
+        engine,
+        path,
+        load_module_strict=load_module_strict,
+        load_optimizer_states=load_optimizer_states and not load_module_only,
+        load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+        load_module_only=load_module_only,
+    )
+    if coordinator.rank == 0:
+        logger.info("loaded checkpoint %s (global step %d)", path, engine.global_steps)
+    return str(path), client_state
+
+
+# ---------------------------------------------------------------------------- choosing the tag
+
+
+def _candidates(load_dir: Path, tag: str | None) -> list[str]:
+    if tag is not None:
+        return [tag]
+    latest = read_latest(load_dir)
+    complete = [info.tag for info in scan_tags(load_dir) if info.complete]
+    ordered = [latest] if latest is not None else []
+    return ordered + [t for t in complete if t != latest]
+
+
+def _verify_jointly(coordinator: Coordinator, tag_dir: Path, *, index: int, checksums: bool) -> list[str]:
+    """Every rank checks sizes and hashes its share of the files; all get the union of problems."""
+    try:
+        manifest = read_manifest(tag_dir)
+        names = sorted(manifest["files"])
+        mine = {n for i, n in enumerate(names) if i % coordinator.world_size == coordinator.rank} if checksums else set()
+        problems = check_files(tag_dir, manifest, hash_names=mine)
+    except CheckpointCorruptError as error:
+        problems = [str(error)]
+    coordinator.publish(f"verify{index}", {"problems": problems})
+    reports = coordinator.gather(f"verify{index}", what="verifying the checkpoint files")
+    return sorted({p for report in reports for p in report["problems"]})
+
+
+# ---------------------------------------------------------------------------- restoring
+
+
+def _restore(
+    engine: Engine,
+    path: Path,
+    *,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> dict[str, Any]:
+    meta = json.loads((path / fmt.META_FILE).read_text(encoding="utf-8"))
+    with ShardReader(path) as reader:
+        tensor_of = lambda key: reader.tensor(meta["state_file"], key)  # noqa: E731
+        sharded_now = sharded_param_keys(engine)
+        # Keys restored through the fp32 master weights instead of the model file: those held
+        # as shards in this run (ZeRO-3) and those the checkpoint holds only as shards.
+        via_master = _load_module(
+            engine.module, reader, meta["model"], strict=load_module_strict, skip=sharded_now, tensor_of=tensor_of
+        )
+        engine.zero_grad()
+        if load_module_only:
+            _masters_for_module_only(engine, reader, meta, via_master)
+            engine.optimizer.write_back_params()
+            return {}
+        _check_parameters(engine, meta)
+        _load_masters(engine, reader, meta)
+        if load_optimizer_states:
+            _load_optimizer_state(engine, reader, meta, tensor_of)
+            if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+                engine.loss_scaler.load_state_dict(decode(meta["loss_scaler"], tensor=tensor_of))
+        # The model's trainable weights are the master weights cast to the compute dtype.
+        engine.optimizer.write_back_params()
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(decode(meta["lr_scheduler"], tensor=tensor_of))
+        counters = meta["counters"]
+        engine.global_steps = counters["global_steps"]
+        engine.global_samples = counters["global_samples"]
+        engine.skipped_steps = counters["skipped_steps"]
+        engine.micro_steps = counters["micro_steps"]
+        _load_rng(reader, meta)
+        _load_sampler(engine, meta)
+        return decode(meta["client_state"], tensor=tensor_of)
+
+
+@torch.no_grad()
+def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[str, Any], *, strict: bool,
+                 skip: set[str], tensor_of) -> set[str]:
+    """Copy saved weights and buffers into the module's own tensors, one tensor at a time.
+
+    Keys in ``skip`` (parameters this run holds as shards) are not touched. Returns the keys
+    to restore through the fp32 master weights: ``skip`` and the keys the model file lacks
+    because the checkpoint holds them only as shards (a ZeRO-3 save).
+    """
+    current = module.state_dict()
+    aliases = model_meta["aliases"]
+    extra = model_meta.get("extra_state", {})
+    stored = set(reader.handle(model_meta["file"]).keys())
+    sharded_saved = set(model_meta.get("sharded_keys", []))
+    saved_keys = set(model_meta["keys"])
+    missing = [k for k in current if k not in saved_keys]
+    unexpected = [k for k in model_meta["keys"] if k not in current]
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            "the checkpoint's model does not match this model: "
+            + (f"missing in the checkpoint: {_few(missing)}; " if missing else "")
+            + (f"not in this model: {_few(unexpected)}; " if unexpected else "")
+            + "pass load_module_strict=False to load the keys both have"
+        )
+    extra_values: dict[str, Any] = {}
+    via_master = set(skip)
+    for key, target in current.items():
+        if key not in saved_keys or key in skip:
+            continue
+        if key in extra:
+            extra_values[key] = decode(extra[key], tensor=tensor_of)
+            continue
+        source = aliases.get(key, key)
+        if source not in stored:
+            if source in sharded_saved:
+                via_master.add(key)
+                continue
+            raise CheckpointCorruptError(f"{reader.tag_dir / model_meta['file']} has no tensor {source!r}")
+        value = reader.tensor(model_meta["file"], source)
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointMismatchError(
+                f"'{key}' has shape {list(value.shape)} in the checkpoint and {list(target.shape)} in this model"
+            )
+        target.copy_(value)
+    if extra_values:
+        module.load_state_dict(extra_values, strict=False)
+    return via_master
+
+
+@torch.no_grad()
+def _masters_for_module_only(engine: Engine, reader: ShardReader, meta: dict[str, Any], via_master: set[str]) -> None:
+    """Weights-only load: each master slice comes from the loaded whole parameter, or, for a
+    parameter not loaded whole, from the saved fp32 master shards (or the model file)."""
+    saved = meta["optimizer"]["params"]
+    model_meta = meta["model"]
+    names = param_names(engine.module)
+    for group in engine.optimizer.groups:
+        for param, spec, (start, end) in group.owned_slices():
+            name = names[param]
+            target = group.master[spec.partition_offset : spec.partition_offset + (end - start)]
+            source = model_meta["aliases"].get(name, name)
+            if name not in via_master:
+                target.copy_(param.detach().reshape(-1)[start:end])
+            elif name in saved or source in saved:
+                record = saved.get(name) or saved[source]
+                reader.read_range(fmt.master_key(source if name not in saved else name), record["shards"], start, end, target)
+            elif source in model_meta["tensors"]:
+                target.copy_(reader.tensor(model_meta["file"], source).reshape(-1)[start:end])
+            else:
+                raise CheckpointMismatchError(f"the checkpoint has no weights for parameter '{name}'")
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_parameters(engine: Engine, meta: dict[str, Any]) -> None:
+    saved = meta["optimizer"]["params"]
+    names = param_names(engine.module)
+    current = {names[p]: (g, tuple(p.shape)) for g, group in enumerate(engine.optimizer.groups) for p in group.params}
+    missing = [n for n in current if n not in saved]
+    extra = [n for n in saved if n not in current]
+    if missing or extra:
+        raise CheckpointMismatchError(
+            "the trainable parameters differ from the checkpoint's: "
+            + (f"not in the checkpoint: {_few(missing)}; " if missing else "")
+            + (f"trainable in the checkpoint but not here: {_few(extra)}; " if extra else "")
+            + "train the same parameters, or load with load_module_only=True (weights only)"
+        )
+    for name, (group, shape) in current.items():
+        if tuple(saved[name]["shape"]) != shape:
+            raise CheckpointMismatchError(f"parameter '{name}' has shape {saved[name]['shape']} in the checkpoint and {list(shape)} here")
+
+
+@torch.no_grad()
+def _load_masters(engine: Engine, reader: ShardReader, meta: dict[str, Any]) -> None:
+    saved = meta["optimizer"]["params"]
+    names = param_names(engine.module)
+    for group in engine.optimizer.groups:
+        group.master.zero_()
+        for param, spec, (start, end) in group.owned_slices():
+            name = names[param]
+            target = group.master[spec.partition_offset : spec.partition_offset + (end - start)]
+            reader.read_range(fmt.master_key(name), saved[name]["shards"], start, end, target)
+
+
+@torch.no_grad()
+def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, Any], tensor_of) -> None:
+    optimizer_meta = meta["optimizer"]
+    inner = engine.optimizer.inner
+    current_class = f"{type(inner).__module__}.{type(inner).__qualname__}"
+    if optimizer_meta["class"] != current_class:
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer is {optimizer_meta['class']}, this run's is {current_class}; use the same "
+            "optimizer or pass load_optimizer_states=False (weights and fp32 master weights are still loaded)"
+        )
+    groups_meta = optimizer_meta["groups"]
+    if len(groups_meta) != len(engine.optimizer.groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {len(groups_meta)} parameter groups, this run {len(engine.optimizer.groups)}; "
+            "build the same groups or pass load_optimizer_states=False"
+        )
+    names = param_names(engine.module)
+    for g, group in enumerate(engine.optimizer.groups):
+        moved = [names[p] for p in group.params if optimizer_meta["params"][names[p]]["group"] != g]
+        if moved:
+            raise CheckpointMismatchError(
+                f"parameters {_few(moved)} are in param group {g} now but were in another group when saved; "
+                "build the same groups or pass load_optimizer_states=False"
+            )
+    current = inner.state_dict()
+    new_state: dict[int, dict[str, Any]] = {}
+    new_groups = []
+    for g, (group, group_meta) in enumerate(zip(engine.optimizer.groups, groups_meta)):
+        (index,) = current["param_groups"][g]["params"]
+        state: dict[str, Any] = {}
+        for key in group_meta["partition_state"]:
+            tensor = torch.zeros_like(group.master)
+            for param, spec, (start, end) in group.owned_slices():
+                name = names[param]
+                target = tensor[spec.partition_offset : spec.partition_offset + (end - start)]
+                reader.read_range(fmt.state_key(key, name), optimizer_meta["params"][name]["shards"], start, end, target)
+            state[key] = tensor
+        state.update(decode(group_meta["scalar_state"], tensor=tensor_of))
+        if group_meta["local_state"]:
+            state.update(_local_state(engine, reader, meta, g, group_meta))
+        if state:
+            new_state[index] = state
+        hyper = decode(group_meta["hyperparameters"], tensor=tensor_of)
+        for key in IMPLEMENTATION_OPTIONS & current["param_groups"][g].keys():
+            hyper[key] = current["param_groups"][g][key]
+        new_groups.append({**hyper, "params": [index]})
+    inner.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+
+def _local_state(engine: Engine, reader: ShardReader, meta: dict[str, Any], g: int, group_meta: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state laid out per rank (not per element): loads only onto the same layout."""
+    group = engine.optimizer.groups[g]
+    if group_meta["num_shards"] != group.layout.num_shards or meta["world_size"] != dist.get_world_size():
+        raise NotImplementedError(
+            f"optimizer state {group_meta['local_state']} of group {g} is stored per rank and cannot be resharded "
+            f"from {group_meta['num_shards']} to {group.layout.num_shards} shards; resume on the saved world size "
+            f"({meta['world_size']}) and ZeRO stage ({meta['zero_stage']}), or pass load_optimizer_states=False"
+        )
+    source = shard_file_of(engine, group.shard_rank)
+    group.master.copy_(reader.tensor(source, fmt.local_state_key(g, LOCAL_MASTER)))  # padding included
+    return {key: reader.tensor(source, fmt.local_state_key(g, key)).to(group.master.device) for key in group_meta["local_state"]}
+
+
+def _load_rng(reader: ShardReader, meta: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    if rank >= meta["world_size"]:
+        if rank == meta["world_size"]:
+            logger.warning(
+                "the checkpoint was saved by %d ranks; ranks %d and above keep their current random state",
+                meta["world_size"], meta["world_size"],
+            )
+        return
+    name = fmt.rank_file(rank)
+    handle = reader.handle(name)
+    tensors = {k: handle.get_tensor(k) for k in handle.keys() if k.startswith("rng/")}
+    restore_rng(json.loads(reader.metadata(name)[fmt.RNG_METADATA_KEY]), tensors)
+
+
+def _load_sampler(engine: Engine, meta: dict[str, Any]) -> None:
+    loader = engine.training_dataloader
+    sampler = getattr(loader, "sampler", None) if loader is not None else None
+    if isinstance(sampler, ResumableDistributedSampler) and meta.get("sampler") is not None:
+        sampler.load_state_dict(meta["sampler"])

@@ -1,0 +1,288 @@
+"""What one rank writes for a checkpoint: a snapshot of the engine's state as file plans.
+
+The snapshot is taken on the training thread at a step boundary. For a synchronous save it
+only *references* the live tensors (they are written before training continues); for an
+asynchronous save every tensor is copied to CPU memory first, so training can go on while a
+thread writes the copy (one copy of this rank's share: the bound on extra memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+import partita
+from partita.checkpoint import format as fmt
+from partita.checkpoint.jsoncodec import encode
+from partita.checkpoint.rng import capture_rng, rng_metadata
+from partita.checkpoint.safetensors_io import TensorEntry
+from partita.data.sampler import ResumableDistributedSampler
+
+if TYPE_CHECKING:
+    from partita.engine import Engine
+
+logger = logging.getLogger("partita")
+
+# Optimizer options that describe the machine/implementation rather than the math; a load
+# keeps the current run's values for them (a checkpoint from a GPU run loads on a CPU).
+IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+LOCAL_MASTER = "__master__"  # local_state_key name of a whole master partition
+
+
+@dataclass
+class FilePlan:
+    """One safetensors file to write."""
+
+    name: str
+    entries: list[TensorEntry]
+    metadata: dict[str, str] | None = None
+
+
+@dataclass
+class Snapshot:
+    """Everything this rank writes: safetensors files and, on rank 0, meta.json."""
+
+    files: list[FilePlan] = field(default_factory=list)
+    meta: dict[str, Any] | None = None
+
+
+def param_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's state_dict name (the first one, for a tied parameter)."""
+    return {p: name for name, p in module.named_parameters()}
+
+
+def sharded_param_keys(engine: Engine) -> set[str]:
+    """state_dict keys of parameters that exist only as shards right now (ZeRO-3, non-persistent).
+
+    Their full tensors have no storage between forward passes; the fp32 master shards are
+    their checkpointed form.
+    """
+    gatherer = getattr(engine.zero, "gatherer", None)
+    if gatherer is None:
+        return set()
+    return {name for name, p in engine.module.named_parameters(remove_duplicate=False) if gatherer.is_sharded_param(p)}
+
+
+def dedupe_state_dict(
+    module: torch.nn.Module, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Split a state_dict into tensors stored once and ``{alias: stored name}`` for the rest.
+
+    Tied parameters appear under several keys; safetensors stores each tensor's bytes once
+    and refuses aliases, and writing them twice would double the file. Parameters and
+    buffers are matched by object (their storage may be freed under ZeRO-3); other entries
+    by storage, offset, shape and strides.
+    """
+    owners: dict[str, int] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owners[name] = id(param)
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        if buffer is not None:
+            owners[name] = id(buffer)
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        if name in owners:
+            identity: tuple = ("object", owners[name])
+        elif tensor.numel() > 0:
+            identity = ("storage", tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                        tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        else:
+            identity = ("empty", name)
+        if identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen[identity] = name
+        stored[name] = tensor
+    return stored, aliases
+
+
+def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    tensor = tensor.detach()
+    if not copy:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    out.copy_(tensor)
+    return out
+
+
+def _classify_state(state: dict[str, Any], master: torch.Tensor) -> tuple[list[str], dict[str, Any], list[str]]:
+    """Split one group's optimizer state into per-element tensors (shaped like the master
+    partition: saved per parameter, reshardable), scalars/other values (the same on every
+    rank) and rank-local tensors.
+
+    Any other tensor (8-bit optimizers' per-block scales and code tables) makes the group's
+    whole state rank-local: saved as this rank's partition tensors, loadable only onto the
+    same layout. Per-parameter slices would lose the padding elements' codes that share a
+    block with a parameter's last elements, and the resumed run would not be exact.
+    """
+    partition, scalars, local = [], {}, []
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == master.shape:
+            partition.append(key)
+        elif torch.is_tensor(value) and value.dim() > 0:
+            local.append(key)
+        else:
+            scalars[key] = value
+    if local:
+        return [], scalars, partition + local
+    return partition, scalars, local
+
+
+def shard_file_of(engine: Engine, shard_rank: int) -> str:
+    """The file holding shard ``shard_rank``: the rank file of the data rank that owns it."""
+    group = engine.topology.data_group
+    return fmt.rank_file(dist.get_global_rank(group, shard_rank) if engine.topology.data_size > 1 else 0)
+
+
+def writes_shards(engine: Engine) -> bool:
+    """Whether this rank writes optimizer shards: all ranks when sharded, data rank 0 when replicated."""
+    num_shards = engine.optimizer.groups[0].layout.num_shards
+    return num_shards > 1 or engine.topology.data_rank == 0
+
+
+def capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bool) -> Snapshot:
+    """Snapshot this rank's part of the checkpoint (and, on rank 0, the shared part)."""
+    rank = dist.get_rank()
+    optimizer = engine.optimizer
+    inner = optimizer.inner
+    names = param_names(engine.module)
+    snapshot = Snapshot()
+
+    # ---- this rank's file: generator states and its shards
+    rng_json, rng_tensors = capture_rng()
+    entries = [TensorEntry.of(k, _own(v, copy)) for k, v in rng_tensors.items()]
+    if writes_shards(engine):
+        for g, group in enumerate(optimizer.groups):
+            state = inner.state.get(group.master, {})
+            partition, _, local = _classify_state(state, group.master)
+            for param, spec, (start, end) in group.owned_slices():
+                if end <= start:
+                    continue
+                lo, hi = spec.partition_offset, spec.partition_offset + (end - start)
+                name = names[param]
+                entries.append(TensorEntry.of(fmt.master_key(name), _own(group.master[lo:hi], copy)))
+                for key in partition:
+                    entries.append(TensorEntry.of(fmt.state_key(key, name), _own(state[key][lo:hi], copy)))
+            for key in local:
+                entries.append(TensorEntry.of(fmt.local_state_key(g, key), _own(state[key], copy)))
+            if local:
+                # With block-wise state, padding elements of the master take part in the update
+                # (they share blocks with parameters); keep the whole partition for an exact resume.
+                entries.append(TensorEntry.of(fmt.local_state_key(g, LOCAL_MASTER), _own(group.master, copy)))
+    snapshot.files.append(FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)}))
+    if rank != 0:
+        return snapshot
+
+    # ---- rank 0: model, shared state, meta
+    sink: dict[str, torch.Tensor] = {}
+    full_state = engine.module.state_dict()
+    # Non-tensor entries come from modules' get_extra_state(); they go to meta.json as JSON.
+    extra = {k: v for k, v in full_state.items() if not torch.is_tensor(v)}
+    unique, aliases = dedupe_state_dict(engine.module, {k: v for k, v in full_state.items() if torch.is_tensor(v)})
+    # ZeRO-3: parameters held as shards are saved only as fp32 master shards (below).
+    sharded = sharded_param_keys(engine)
+    model_state = {k: v for k, v in unique.items() if k not in sharded}
+    snapshot.files.append(FilePlan(fmt.MODEL_FILE, [TensorEntry.of(k, _own(v, copy)) for k, v in model_state.items()]))
+    meta = {
+        "format": fmt.FORMAT_NAME,
+        "format_version": fmt.FORMAT_VERSION,
+        "tag": tag,
+        "partita_version": partita.__version__,
+        "torch_version": torch.__version__,
+        "world_size": dist.get_world_size(),
+        "data_parallel_size": engine.topology.data_size,
+        "zero_stage": engine.zero.policy.stage,
+        "precision": str(engine.compute_dtype).replace("torch.", ""),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
+        "config": encode(engine.config.to_dict() if engine.config is not None else {}, path="config", sink=sink),
+        "model": {
+            "file": fmt.MODEL_FILE,
+            "keys": list(full_state.keys()),
+            "aliases": aliases,
+            "extra_state": {k: encode(v, path=f"model[{k!r}]", sink=sink) for k, v in extra.items()},
+            "sharded_keys": sorted(k for k in unique if k in sharded),
+            "tensors": {k: {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)} for k, v in model_state.items()},
+        },
+        "optimizer": _optimizer_meta(engine, names, sink),
+        "loss_scaler": None if engine.loss_scaler is None else encode(engine.loss_scaler.state_dict(), path="loss_scaler", sink=sink),
+        "lr_scheduler": None
+        if engine.lr_scheduler is None
+        else encode(engine.lr_scheduler.state_dict(), path="lr_scheduler", sink=sink),
+        "sampler": _sampler_state(engine),
+        "client_state": encode(client_state, path="client_state", sink=sink),
+        "rank_files": [fmt.rank_file(r) for r in range(dist.get_world_size())],
+        "state_file": fmt.STATE_FILE,
+    }
+    snapshot.files.append(FilePlan(fmt.STATE_FILE, [TensorEntry.of(k, _own(v, True)) for k, v in sink.items()]))
+    snapshot.meta = meta
+    return snapshot
+
+
+def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: dict[str, torch.Tensor]) -> dict[str, Any]:
+    optimizer = engine.optimizer
+    inner = optimizer.inner
+    groups, params = [], {}
+    for g, group in enumerate(optimizer.groups):
+        state = inner.state.get(group.master, {})
+        partition, scalars, local = _classify_state(state, group.master)
+        hyper = {k: v for k, v in inner.param_groups[g].items() if k != "params"}
+        groups.append(
+            {
+                "params": [names[p] for p in group.params],
+                "hyperparameters": encode(hyper, path=f"optimizer/group{g}/hyperparameters", sink=sink),
+                "partition_state": partition,
+                "scalar_state": encode(scalars, path=f"optimizer/group{g}/state", sink=sink),
+                "local_state": local,
+                "num_shards": group.layout.num_shards,
+            }
+        )
+        for param, spec in zip(group.params, group.layout.specs):
+            shards = []
+            for shard_rank in range(group.layout.num_shards):
+                start, end = spec.owned_range(shard_rank)
+                if end > start:
+                    shards.append({"file": shard_file_of(engine, shard_rank), "start": start, "end": end})
+            params[names[param]] = {
+                "group": g,
+                "shape": list(spec.shape),
+                "numel": spec.numel,
+                "dtype": str(param.dtype).replace("torch.", ""),
+                "shards": shards,
+            }
+    return {
+        "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
+        "master_dtype": "float32",
+        "groups": groups,
+        "params": params,
+    }
+
+
+def _sampler_state(engine: Engine) -> dict[str, Any] | None:
+    loader = engine.training_dataloader
+    sampler = getattr(loader, "sampler", None) if loader is not None else None
+    if isinstance(sampler, ResumableDistributedSampler):
+        return sampler.state_dict()
+    return None
+
+
+def check_accumulation_boundary(engine: Engine) -> None:
+    """Warn when saving mid-window: the gradients accumulated so far are not part of a checkpoint."""
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0 or engine._backward_pending:
+        logger.warning(
+            "save_checkpoint was called in the middle of a gradient-accumulation window (micro step %d of %d); "
+            "the gradients accumulated so far are not saved, so a run resumed from it differs. Save right "
+            "after the engine.step() that updates the weights",
+            engine.micro_steps % engine.gradient_accumulation_steps(),
+            engine.gradient_accumulation_steps(),
+        )

@@ -1,0 +1,112 @@
+"""Rank coordination for checkpoint calls through the process group's key-value store.
+
+Why the store and not a barrier: a checkpoint call made by only some ranks (the classic
+``if rank == 0: engine.save_checkpoint(...)``) would block in a collective until the
+30-minute collective timeout, and NCCL collectives cannot be given a shorter one per call.
+Store waits take a timeout per call, work on every backend, and let the waiting rank see
+*which* ranks arrived, so the error can name the missing ones. They are also safe to use
+from the background thread of an asynchronous save, where a collective would race with the
+training loop's collectives.
+
+Every checkpoint call gets a sequence number (the n-th call of this process), so keys of
+different calls never mix; ranks that make the same sequence of calls agree on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from partita.checkpoint.errors import CheckpointSyncError
+
+_CALLS = itertools.count()
+
+
+def _default_store() -> dist.Store:
+    # The default group's store (the torchrun agent's, or the in-process one of a world of
+    # one). A private accessor, stable since torch 1.x; there is no public one.
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class Coordinator:
+    """The rendezvous of one checkpoint call (``op`` is "save_checkpoint" or "load_checkpoint")."""
+
+    def __init__(self, op: str, *, handshake_timeout_s: float, long_timeout_s: float) -> None:
+        if not dist.is_initialized():
+            raise CheckpointSyncError(f"{op} needs torch.distributed to be initialized (call partita.initialize first)")
+        self.op = op
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.store = _default_store()
+        # The restart count keeps a restarted job's keys apart should the store outlive a restart.
+        self.prefix = f"partita/checkpoint/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_CALLS)}"
+        self.handshake_timeout_s = handshake_timeout_s
+        self.long_timeout_s = long_timeout_s
+
+    def _keys(self, name: str) -> list[str]:
+        return [f"{self.prefix}/{name}/{r}" for r in range(self.world_size)]
+
+    def handshake(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """Announce this call and wait (briefly) until every rank has made it; return every rank's payload.
+
+        Raises:
+            CheckpointSyncError: some ranks did not call within the handshake timeout, or
+                ranks made different calls.
+        """
+        keys = self._keys("join")
+        self.store.set(keys[self.rank], json.dumps({"op": self.op, **payload}))
+        try:
+            self.store.wait(keys, timedelta(seconds=self.handshake_timeout_s))
+        except RuntimeError:  # DistStoreError subclasses RuntimeError
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            present = [r for r in range(self.world_size) if r not in missing]
+            raise CheckpointSyncError(
+                f"{self.op} was called on rank(s) {present} but rank(s) {missing} of {self.world_size} did not "
+                f"call {self.op} within {self.handshake_timeout_s:g} s. Every rank must call "
+                f"engine.{self.op}(...) (not only rank 0: each rank saves and loads its own shard). If some "
+                "ranks legitimately arrive later, raise checkpoint.handshake_timeout_seconds"
+            ) from None
+        payloads = [json.loads(self.store.get(key)) for key in keys]
+        ops = {p["op"] for p in payloads}
+        if len(ops) > 1:
+            calls = ", ".join(f"rank {r}: {p['op']}" for r, p in enumerate(payloads))
+            raise CheckpointSyncError(f"the ranks made different checkpoint calls at the same point ({calls}); every rank must make the same call")
+        return payloads
+
+    def publish(self, name: str, value: dict[str, Any]) -> None:
+        """Post this rank's ``value`` under ``name`` (a phase of the call)."""
+        self.store.set(self._keys(name)[self.rank], json.dumps(value))
+
+    def gather(self, name: str, *, what: str) -> list[dict[str, Any]]:
+        """Wait (up to the long timeout) for every rank's ``name`` value; ``what`` describes the phase for errors."""
+        keys = self._keys(name)
+        try:
+            self.store.wait(keys, timedelta(seconds=self.long_timeout_s))
+        except RuntimeError:
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            raise CheckpointSyncError(
+                f"{self.op}: rank(s) {missing} did not finish {what} within {self.long_timeout_s:g} s "
+                "(a rank died or is stuck; distributed.timeout_seconds sets this limit)"
+            ) from None
+        return [json.loads(self.store.get(key)) for key in keys]
+
+    def publish_root(self, name: str, value: dict[str, Any]) -> None:
+        """Rank 0 posts a decision every rank waits for."""
+        self.store.set(f"{self.prefix}/{name}/root", json.dumps(value))
+
+    def wait_root(self, name: str, *, what: str) -> dict[str, Any]:
+        key = f"{self.prefix}/{name}/root"
+        try:
+            self.store.wait([key], timedelta(seconds=self.long_timeout_s))
+        except RuntimeError:
+            raise CheckpointSyncError(
+                f"{self.op}: rank 0 did not finish {what} within {self.long_timeout_s:g} s (it died or is stuck)"
+            ) from None
+        return json.loads(self.store.get(key))
