@@ -127,6 +127,9 @@ def initialize(
         build_inner_optimizer=_inner_optimizer_factory(optimizer, cfg, device.type),
         # 8-bit optimizers quantise blocks of the partition: shards must be whole blocks.
         alignment=required_alignment(cfg.optimizer if optimizer is None else None),
+        comm_dtype=_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
+        predivide_factor=cfg.gradient_predivide_factor,
+        accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)

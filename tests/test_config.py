@@ -298,8 +298,6 @@ def test_every_problem_is_listed_in_one_error() -> None:
         ({"comet": {"enabled": True, "project": "p"}}, "comet"),
         ({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.5}}, "flops_profiler.recompute_fwd_factor"),
         ({"pipeline": {"stages": 2}}, "pipeline"),
-        ({"communication_data_type": "fp32"}, "communication_data_type"),
-        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
         ({"memory_breakdown": True}, "memory_breakdown"),
@@ -339,7 +337,6 @@ def test_unsupported_message_names_the_harmless_value() -> None:
         {"wandb": {}},
         {"comet": None},
         {"prescale_gradients": False},
-        {"gradient_predivide_factor": 1},
         {"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": None}},
         {"zero_optimization": {"stage3_max_reuse_distance": "auto", "stage3_param_persistence_threshold": 1e5}},
         {"zero_optimization": {"round_robin_gradients": False, "allgather_partitions": True}},
@@ -359,8 +356,8 @@ def test_a_boolean_is_not_mistaken_for_a_numeric_default() -> None:
 
 def test_unsupported_table_holds_the_documented_sections() -> None:
     top = set(UNSUPPORTED[()])
-    for key in ("comet", "pipeline", "aio", "data_types", "communication_data_type",
-                "gradient_predivide_factor", "compile", "tensor_parallel", "elasticity", "autotuning", "amp",
+    for key in ("comet", "pipeline", "aio", "seq_parallel_communication_data_type",
+                "prescale_gradients", "compile", "tensor_parallel", "elasticity", "autotuning", "amp",
                 "sparse_attention", "data_efficiency", "compression_training", "moe",
                 "zero_allow_untested_optimizer", "memory_breakdown", "dump_state", "prescale_gradients"):  # fmt: skip
         assert key in top, key

@@ -49,7 +49,7 @@ def train_partita(configs: list[dict]) -> list[dict]:
         rank, world = dist.get_rank(), dist.get_world_size()
         gas = engine.gradient_accumulation_steps()
         micro = engine.train_micro_batch_size_per_gpu()
-        xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+        xs, ys = make_batches(STEPS, cfg.get("train_batch_size", GLOBAL_BATCH))
         norms = []
         for step in range(STEPS):
             for m in range(gas):

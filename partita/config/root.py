@@ -26,7 +26,7 @@ from partita.monitor.config import (
     WandbConfig,
 )
 from partita.optim.config import OptimizerConfig, SchedulerConfig
-from partita.precision.config import BF16Config, FP16Config
+from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from partita.zero.config import ZeroConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -133,6 +133,25 @@ class PartitaConfig(StrictSection):
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig,
         description="partita only: process-group backend and collective timeout.",
+    )
+    data_types: DataTypesConfig = Field(
+        default_factory=DataTypesConfig,
+        description="Gradient accumulation dtype (grad_accum_dtype). DeepSpeed's section.",
+    )
+    communication_data_type: DtypeName | None = Field(
+        None,
+        description=(
+            "dtype gradients are reduced in across ranks. null: the model's dtype (bf16/fp16 halve "
+            "the traffic); 'fp32' sums more precisely at twice the bytes. DeepSpeed default null."
+        ),
+    )
+    gradient_predivide_factor: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Gradients are divided by this factor before the cross-rank sum and by world/factor "
+            "after, so fp16 sums over many ranks do not overflow. DeepSpeed default 1.0."
+        ),
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,

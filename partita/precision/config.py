@@ -8,7 +8,7 @@ Keys, meanings and defaults follow DeepSpeed 0.19. Enabling both sections is an 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -72,3 +72,21 @@ class BF16Config(StrictSection):
     """bf16 training: fp32's exponent range, so no loss scaling is needed."""
 
     enabled: bool = Field(False, description="Train in bf16. DeepSpeed default false.")
+
+
+DtypeName = Literal["fp32", "bf16", "fp16"]
+
+
+class DataTypesConfig(StrictSection):
+    """The ``data_types`` section: dtypes of gradient bookkeeping in mixed precision."""
+
+    grad_accum_dtype: DtypeName | None = Field(
+        None,
+        description=(
+            "dtype gradients are summed in across the micro-batches of one optimizer step. "
+            "null: the model's dtype at ZeRO 0/1 (bf16 sums lose precision with many micro-batches, "
+            "DeepSpeed issues 1800 and 2352) and fp32 at ZeRO 2/3 (reduced gradients go straight "
+            "into the fp32 partition). \"fp32\" at ZeRO 0/1 keeps an fp32 accumulator per parameter "
+            "(4 bytes per parameter). DeepSpeed default null."
+        ),
+    )

@@ -40,6 +40,9 @@ def apply_zero(
     gradient_clipping: float,
     build_inner_optimizer: InnerOptimizerFactory,
     alignment: int = 1,
+    comm_dtype: torch.dtype | None = None,
+    predivide_factor: float = 1.0,
+    accumulate_in_fp32: bool = False,
 ) -> ZeroState:
     """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
 
@@ -54,6 +57,9 @@ def apply_zero(
             flat fp32 master tensor per group) and returns the torch optimizer that steps them.
         alignment: every shard is a multiple of this many elements (block-wise optimizers
             need their block size, see ``partita.optim.factory.required_alignment``).
+        comm_dtype: dtype gradients are reduced in (None: the model's).
+        predivide_factor: divide gradients by this before the cross-rank sum, by world/factor after.
+        accumulate_in_fp32: at stages 0/1, sum micro-batch gradients in fp32 (stages 2/3 always do).
     """
     policy = ZeroPolicy.for_stage(config.stage)
     num_shards = policy.num_shards(topology.data_size)
@@ -88,6 +94,9 @@ def apply_zero(
         reduce_every_micro_batch=policy.shard_gradients,
         use_reduce_scatter=config.reduce_scatter,
         overlap_comm=config.overlap_comm is not False,
+        comm_dtype=comm_dtype,
+        predivide_factor=predivide_factor,
+        accumulate_in_fp32=accumulate_in_fp32,
     )
     gatherer = None
     if policy.shard_parameters:

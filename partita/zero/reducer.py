@@ -93,6 +93,9 @@ class GradientReducer:
         reduce_every_micro_batch: bool,
         use_reduce_scatter: bool = True,
         overlap_comm: bool = True,
+        comm_dtype: torch.dtype | None = None,
+        predivide_factor: float = 1.0,
+        accumulate_in_fp32: bool = False,
     ) -> None:
         self._groups = groups
         self._process_group = process_group
@@ -102,6 +105,12 @@ class GradientReducer:
         self._use_reduce_scatter = use_reduce_scatter
         self._overlap_comm = overlap_comm
         self._shard_rank = groups[0].shard_rank
+        self._comm_dtype = comm_dtype  # None: the gradients' own dtype
+        self._predivide = predivide_factor
+        # data_types.grad_accum_dtype=fp32 at stages 0/1: micro-batch gradients are summed in
+        # fp32 here instead of in param.grad's bf16/fp16 (see [Note: what each stage reduces]).
+        self._accumulate_in_fp32 = accumulate_in_fp32 and not reduce_every_micro_batch
+        self._fp32_sums: dict[nn.Parameter, torch.Tensor] = {}
         self._buckets = self._build_buckets(registration_index, bucket_numel)
         self._bucket_of: dict[nn.Parameter, tuple[int, int]] = {}
         for b, bucket in enumerate(self._buckets):
@@ -153,7 +162,9 @@ class GradientReducer:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._armed:
-            return  # accumulate in param.grad until the last micro-batch of the window
+            if self._accumulate_in_fp32:
+                self._add_to_fp32_sum(param)
+            return  # accumulate (in param.grad or the fp32 sum) until the window's last micro-batch
         if self._world_size == 1:
             # Nothing to communicate or overlap: leave the gradient in param.grad, as plain
             # torch does, and fold everything into the fp32 partition in finish_backward,
@@ -169,10 +180,29 @@ class GradientReducer:
                 "with reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)). "
                 "Use use_reentrant=False."
             )
-        self._pack(bucket, i, param.grad)
-        param.grad = None  # the bucket holds it now; free the full-size gradient
+        self._pack(bucket, i, self._take_grad(param))  # the bucket holds it now: full-size grad freed
         bucket.pending.discard(i)
         self._launch_ready_buckets()
+
+    def _add_to_fp32_sum(self, param: nn.Parameter) -> None:
+        if param.grad is None:
+            return
+        total = self._fp32_sums.get(param)
+        if total is None:
+            self._fp32_sums[param] = param.grad.to(torch.float32)
+        else:
+            total.add_(param.grad)
+        param.grad = None
+
+    def _take_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This window's whole gradient of ``param`` (param.grad plus any fp32 sum); frees both."""
+        grad, param.grad = param.grad, None
+        total = self._fp32_sums.pop(param, None)
+        if total is None:
+            return grad
+        if grad is not None:
+            total.add_(grad)
+        return total
 
     def _pack(self, bucket: _ReduceBucket, i: int, grad: torch.Tensor | None) -> None:
         entry = bucket.entries[i]
@@ -186,7 +216,9 @@ class GradientReducer:
             return
         if bucket.packed is None:
             like = self._groups[entry.group].params[entry.spec.index]
-            bucket.packed = torch.empty((self._num_shards, bucket.shard_numel), dtype=like.dtype, device=like.device)
+            bucket.packed = torch.empty(
+                (self._num_shards, bucket.shard_numel), dtype=self._comm_dtype or like.dtype, device=like.device
+            )
         pack_into_columns(bucket.packed, entry.column, entry.spec, grad)
 
     def _launch_ready_buckets(self) -> None:
@@ -205,7 +237,7 @@ class GradientReducer:
         """Wait for bucket ``b``'s collective and add this rank's averaged slice into the partitions."""
         bucket = self._buckets[b]
         collectives.wait(bucket.work, purpose=self._purpose(b))
-        scale = 1.0 / self._world_size
+        scale = self._predivide / self._world_size
         for run in bucket.runs if bucket.output is not None else ():
             reduced = bucket.output[run.column : run.column + run.numel]
             self._groups[run.group].accumulate_grad(run.partition_start, reduced, scale=scale)
@@ -219,6 +251,8 @@ class GradientReducer:
         purpose = self._purpose(self._next_launch)
         if self._world_size == 1:
             return  # already accumulated by _pack
+        if self._predivide != 1.0:
+            packed.div_(self._predivide)  # gradient_predivide_factor: keep fp16 sums in range
         if self._num_shards == 1 or not self._use_reduce_scatter:
             # zero_optimization.reduce_scatter=false: all-reduce everything, keep our row.
             bucket.work = collectives.all_reduce(packed, group=self._process_group, purpose=purpose, async_op=True)
@@ -243,8 +277,7 @@ class GradientReducer:
                 param = self._groups[entry.group].params[entry.spec.index]
                 # Gradients accumulated by earlier micro-batches but untouched by this
                 # backward still count (stage 0/1 windows); the rest are zeros.
-                self._pack(bucket, i, param.grad)
-                param.grad = None
+                self._pack(bucket, i, self._take_grad(param))
             bucket.pending.clear()
         self._launch_ready_buckets()
         while self._next_retire < len(self._buckets):
