@@ -10,6 +10,7 @@ charts logged runs (:mod:`partita.monitor.plot`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -108,6 +109,12 @@ def _run(args: argparse.Namespace) -> int:
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    if args.max_restarts > 0:
+        # torch 2.13's agent-hosted rendezvous store outlives a restart with the previous
+        # attempt's keys, so a restarted gloo group can read dead peers' addresses and fail
+        # ("Connection refused") or hang. A fresh store per attempt avoids that.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     try:
         torchrun_main(argv)
