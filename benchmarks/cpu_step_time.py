@@ -122,8 +122,13 @@ def launch(engine: str, stage: int, args: argparse.Namespace, log_dir: Path) -> 
     # Share of the machine other jobs used while this launch ran: busy time not spent by our
     # own process tree. Figures from launches with a high share are inflated.
     foreign = (cpu_busy_seconds() - busy0 - (children_cpu_seconds() - mine0)) / (wall * (os.cpu_count() or 1))
-    if rc == 0 and out.stat().st_size > 0:
+    if out.stat().st_size > 0:
+        # Rank 0 writes only after the last collective of the measurement, so a file means both
+        # ranks finished every timed step; a non-zero exit then happened while tearing down
+        # (seen once with DeepSpeed: "terminate called without an active exception" in rank 1).
         result = json.loads(out.read_text())
+        if rc != 0:
+            result["teardown_error"] = {"exit": str(rc), "log_tail": log.read_text().splitlines()[-20:]}
     else:
         tail = log.read_text().splitlines()[-40:]
         result = {"engine": engine, "stage": stage, "error": f"exit {rc}", "log_tail": tail}
@@ -284,6 +289,9 @@ def main() -> None:
                       f"; waited {r['quiet_wait_s']:.0f} s for quiet)", flush=True)
                 if "error" in r:
                     print("\n".join("    " + line for line in r["log_tail"][-15:]), flush=True)
+                elif "teardown_error" in r:
+                    print(f"    (measurement complete; exit {r['teardown_error']['exit']} while shutting down, "
+                          f"log in {log_dir})", flush=True)
 
     table = summarize(runs, max_foreign=args.max_foreign)
     table_md, details_md = render_table(table, args.stages), render_details(table)
@@ -305,7 +313,7 @@ def main() -> None:
         "results_file": os.path.relpath(results_file, REPO),
     }
     results_file.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    if not any("error" in r for r in runs):
+    if not any("error" in r or "teardown_error" in r for r in runs):
         shutil.rmtree(log_dir)  # worker logs only matter when a launch failed
     print()
     print(table_md)
