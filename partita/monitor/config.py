@@ -17,40 +17,33 @@ from partita.config.base import JsonInt, StrictSection
 CollectiveName = Literal["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast"]
 
 
-class TensorBoardConfig(StrictSection):
+class _FileMonitorConfig(StrictSection):
+    """Where a file-writing monitor puts its run directory (shared by TensorBoard and CSV)."""
+
+    output_path: str = Field(
+        "",
+        description=(
+            "Directory the job directory is created in; empty means the directory training was "
+            "launched from. DeepSpeed default \"\"."
+        ),
+    )
+    job_name: str = Field(
+        "DeepSpeedJobName",
+        min_length=1,
+        description="Name of this run: a sub-directory of output_path. DeepSpeed default \"DeepSpeedJobName\".",
+    )
+
+
+class TensorBoardConfig(_FileMonitorConfig):
     """TensorBoard event files written by rank 0 (needs the ``tensorboard`` package)."""
 
     enabled: bool = Field(False, description="Write TensorBoard event files. DeepSpeed default false.")
-    output_path: str = Field(
-        "",
-        description=(
-            "Directory the job directory is created in; empty means the directory training was "
-            "launched from. DeepSpeed default \"\"."
-        ),
-    )
-    job_name: str = Field(
-        "DeepSpeedJobName",
-        min_length=1,
-        description="Name of this run: a sub-directory of output_path. DeepSpeed default \"DeepSpeedJobName\".",
-    )
 
 
-class CSVMonitorConfig(StrictSection):
+class CSVMonitorConfig(_FileMonitorConfig):
     """One CSV file per metric (``step,<name>`` rows), as DeepSpeed's csv_monitor writes."""
 
     enabled: bool = Field(False, description="Write CSV files. DeepSpeed default false.")
-    output_path: str = Field(
-        "",
-        description=(
-            "Directory the job directory is created in; empty means the directory training was "
-            "launched from. DeepSpeed default \"\"."
-        ),
-    )
-    job_name: str = Field(
-        "DeepSpeedJobName",
-        min_length=1,
-        description="Name of this run: a sub-directory of output_path. DeepSpeed default \"DeepSpeedJobName\".",
-    )
 
 
 class WandbConfig(StrictSection):
