@@ -112,7 +112,7 @@ def initialize(
     param_groups = normalize_param_groups(source_groups, model)
 
     compute_dtype = _DTYPES[cfg.precision]
-    _place_model(model, device=device, dtype=compute_dtype, topology=topology)
+    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage)
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
@@ -183,19 +183,37 @@ def _configure_logging(topology: Topology) -> None:
 
 
 @torch.no_grad()
-def _place_model(model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology) -> None:
+def _place_model(
+    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int
+) -> None:
     """Move to the device, cast to the compute dtype, and make every rank hold rank 0's weights.
 
     ``module.to`` swaps ``param.data`` in place, so the Parameter objects (and any
-    optimizer built over them) survive the move.
+    optimizer built over them) survive the move. Parameters built under ``zero.Init`` stay
+    sharded at ZeRO-3 (they are already on the device, in the dtype, and equal on every
+    rank by construction) and are gathered whole once for stages 0-2.
     """
+    from partita.zero.init_context import init_shard_of, materialize_init_params
+
+    params = list(model.parameters())
+    presharded = [p for p in params if init_shard_of(p) is not None]
+    if presharded and stage < 3:
+        materialize_init_params(presharded)
+        presharded = []
+    for p in presharded:
+        if p.device != device or p.dtype != dtype:
+            raise ValueError(
+                f"a parameter built under partita.zero.Init is {p.dtype} on {p.device}, but training runs in "
+                f"{dtype} on {device}: pass the same config to zero.Init(config_dict_or_path=...) as to initialize()"
+            )
     model.to(device=device)
     if dtype != torch.float32:
         model.to(dtype=dtype)
     if topology.data_size > 1:
         # Like DDP: ranks may have initialised differently (different seeds); rank 0 wins.
         src = dist.get_global_rank(topology.data_group, 0)
-        for tensor in list(model.parameters()) + list(model.buffers()):
+        skip = {id(p) for p in presharded}
+        for tensor in [p for p in params if id(p) not in skip] + list(model.buffers()):
             collectives.broadcast(tensor.data, src=src, group=topology.data_group, purpose="initial weight broadcast")
 
 

@@ -135,16 +135,22 @@ class GPT(nn.Module):
     def _init_weights(self) -> None:
         """GPT-2 initialization: N(0, 0.02) weights, zero biases, and the two projections that
         write into the residual stream scaled by 1/sqrt(2 * n_layer), so the stream's variance
-        does not grow with depth (each block adds two such contributions)."""
-        for module in self.modules():
+        does not grow with depth (each block adds two such contributions).
+
+        Everything goes through ``self.apply``: under ``partita.zero.Init`` that is what makes
+        each module's (sharded) parameters whole while they are initialised.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        residual = {id(block.attn.proj) for block in self.blocks} | {id(block.mlp.proj) for block in self.blocks}
+
+        def init(module: nn.Module) -> None:
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                std = residual_std if id(module) in residual else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+        self.apply(init)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

@@ -12,6 +12,7 @@ from partita.distributed.topology import Topology
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
 from partita.zero.gathered import register_owner
+from partita.zero.init_context import forget_init_shards
 from partita.zero.param_gatherer import ParameterGatherer
 from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
@@ -111,6 +112,7 @@ def apply_zero(
             max_live_numel=config.stage3_max_live_parameters,
         )
         optimizer.param_store = gatherer
+    forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now
     state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer)
     register_owner((p for g in groups for p in g.params), state)
     return state

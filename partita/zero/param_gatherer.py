@@ -152,9 +152,14 @@ class ParameterGatherer:
         self._unit_params = self._assign_units(model)
         for param in self._where:
             if param in self.persistent:
+                if param.untyped_storage().nbytes() == 0:  # built under zero.Init: make it whole
+                    from partita.zero.init_context import gather_init_param
+
+                    gather_init_param(param)
                 continue
-            self._own_storage(param)
-            self._free(param)
+            if param.untyped_storage().nbytes() != 0:  # zero.Init already freed it
+                self._own_storage(param)
+                self._free(param)
             self._state[param] = ParamState.SHARDED
         self._root = model
         self._unit_index = {unit: i for i, unit in enumerate(self._unit_params)}

@@ -81,11 +81,26 @@ class ShardedParamGroup:
             yield param, spec, spec.owned_range(self.shard_rank)
 
     def load_master_from_params(self) -> None:
-        """Set the master partition from the current model parameters (padding stays zero)."""
+        """Set the master partition from the current model parameters (padding stays zero).
+
+        A parameter built under ``partita.zero.Init`` has no storage, only this rank's shard:
+        that shard is used directly when the layouts agree, else the parameter is gathered
+        once, sliced, and freed again (a collective: every rank loads every group in order).
+        """
+        from partita.zero.init_context import gather_init_param, init_shard_of
+
         with torch.no_grad():
             for param, spec, (start, end) in self.owned_slices():
                 piece = self.master[spec.partition_offset : spec.partition_offset + (end - start)]
-                piece.copy_(param.detach().reshape(-1)[start:end])
+                shard = init_shard_of(param)
+                if shard is None:
+                    piece.copy_(param.detach().reshape(-1)[start:end])
+                elif shard.numel() == spec.shard_numel and self.layout.num_shards > 1:
+                    piece.copy_(shard[: end - start])
+                else:
+                    gather_init_param(param)
+                    piece.copy_(param.detach().reshape(-1)[start:end])
+                    param.data.untyped_storage().resize_(0)
 
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
         """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
