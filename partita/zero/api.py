@@ -74,7 +74,13 @@ def apply_zero(
         options = {k: v for k, v in raw.items() if k != "params"}
         groups.append(
             ShardedParamGroup(
-                params, options=options, num_shards=num_shards, shard_rank=shard_rank, alignment=alignment
+                params,
+                options=options,
+                num_shards=num_shards,
+                shard_rank=shard_rank,
+                alignment=alignment,
+                # ZeRO-3 frees parameter storage between uses: it must not be the master's.
+                may_alias_params=not policy.shard_parameters,
             )
         )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])

@@ -66,6 +66,11 @@ class _ReduceBucket:
     pending: set[int] = field(default_factory=set)
     work: dist.Work | None = None
     output: torch.Tensor | None = None
+    in_place_works: list = field(default_factory=list)  # in-place mode: one all-reduce per run
+
+
+def num_shards_of(groups: list[ShardedParamGroup]) -> int:
+    return groups[0].layout.num_shards
 
 
 def _runs(entries: list[_Entry]) -> tuple[_Run, ...]:
@@ -111,6 +116,16 @@ class GradientReducer:
         # fp32 here instead of in param.grad's bf16/fp16 (see [Note: what each stage reduces]).
         self._accumulate_in_fp32 = accumulate_in_fp32 and not reduce_every_micro_batch
         self._fp32_sums: dict[nn.Parameter, torch.Tensor] = {}
+        # [Note: in-place reduction] With unsharded fp32 gradients (stage 0 in fp32, or fp32
+        # communication) the fp32 partition can be the bucket itself: each gradient is added
+        # into it pre-divided by the world size and its runs are all-reduced in place, one
+        # pass over the gradients instead of a pack copy plus an add.
+        first = groups[0].params[0]
+        self._in_place = (
+            num_shards_of(groups) == 1
+            and world_size > 1
+            and (comm_dtype or first.dtype) == torch.float32
+        )
         self._buckets = self._build_buckets(registration_index, bucket_numel)
         self._bucket_of: dict[nn.Parameter, tuple[int, int]] = {}
         for b, bucket in enumerate(self._buckets):
@@ -208,11 +223,12 @@ class GradientReducer:
         entry = bucket.entries[i]
         if grad is not None:
             self._received[entry.group][entry.spec.index] = True
-        if self._world_size == 1:
-            # Nothing to communicate: the partition is the whole group, so add the gradient
-            # straight into it; no bucket buffer.
+        if self._world_size == 1 or self._in_place:
+            # The partition is the whole group: add the gradient straight into it, no bucket
+            # buffer (world 1: nothing to communicate; else see [Note: in-place reduction]).
             if grad is not None:
-                self._groups[entry.group].accumulate_grad(entry.spec.partition_offset, grad.reshape(-1), scale=1.0)
+                scale = 1.0 / self._world_size
+                self._groups[entry.group].accumulate_grad(entry.spec.partition_offset, grad.reshape(-1), scale=scale)
             return
         if bucket.packed is None:
             like = self._groups[entry.group].params[entry.spec.index]
@@ -237,6 +253,9 @@ class GradientReducer:
         """Wait for bucket ``b``'s collective and add this rank's averaged slice into the partitions."""
         bucket = self._buckets[b]
         collectives.wait(bucket.work, purpose=self._purpose(b))
+        for work in bucket.in_place_works:
+            collectives.wait(work, purpose=self._purpose(b))
+        bucket.in_place_works = []
         scale = self._predivide / self._world_size
         for run in bucket.runs if bucket.output is not None else ():
             reduced = bucket.output[run.column : run.column + run.numel]
@@ -251,6 +270,20 @@ class GradientReducer:
         purpose = self._purpose(self._next_launch)
         if self._world_size == 1:
             return  # already accumulated by _pack
+        if self._in_place:
+            for run in bucket.runs:
+                group = self._groups[run.group]
+                if group.master.grad is None:  # no gradient of this group arrived yet: zeros
+                    group.master.grad = torch.zeros_like(group.master)
+                view = group.master.grad[run.partition_start : run.partition_start + run.numel]
+                bucket.in_place_works.append(
+                    collectives.all_reduce(view, group=self._process_group, purpose=purpose, async_op=True)
+                )
+            if not self._overlap_comm:
+                for work in bucket.in_place_works:
+                    collectives.wait(work, purpose=purpose)
+                bucket.in_place_works = []
+            return
         if self._predivide != 1.0:
             packed.div_(self._predivide)  # gradient_predivide_factor: keep fp16 sums in range
         if self._num_shards == 1 or not self._use_reduce_scatter:

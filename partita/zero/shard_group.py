@@ -58,6 +58,7 @@ class ShardedParamGroup:
         num_shards: int,
         shard_rank: int,
         alignment: int = 1,
+        may_alias_params: bool = True,
     ) -> None:
         self.params = list(params)
         self.options = dict(options)
@@ -65,11 +66,23 @@ class ShardedParamGroup:
         self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards, alignment=alignment)
         device = self.params[0].device
         self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+        self.aliases_params = False
         # The fp32 gradient partition exists only from the first reduced gradient of a step
         # until the optimizer step: allocated during backward (as activations are freed),
         # not held through the forward, where the memory peak is.
         self.master.grad = None
         self.load_master_from_params()
+        if may_alias_params and num_shards == 1 and all(p.dtype == torch.float32 for p in self.params):
+            self._alias_params_to_master()
+
+    @torch.no_grad()
+    def _alias_params_to_master(self) -> None:
+        """fp32 training with unsharded optimizer state (stage 0, or one rank): the master
+        would be a second copy of the parameters. Make each parameter a view of it instead,
+        so the optimizer updates the model in place and no write-back copy is needed."""
+        for param, spec in zip(self.params, self.layout.specs):
+            param.data = self.master[spec.partition_offset : spec.partition_offset + spec.numel].view(spec.shape)
+        self.aliases_params = True
 
     @property
     def model_dtype(self) -> torch.dtype:

@@ -175,6 +175,8 @@ class ShardedOptimizer:
         if store is not None:
             store.refresh_shards()
         for group, buckets in zip(self.groups, self._gather_buckets):
+            if group.aliases_params:
+                continue  # the parameters are views of the master: already up to date
             for bucket in buckets:
                 specs = [
                     spec
