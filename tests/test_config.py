@@ -199,7 +199,7 @@ def test_unknown_nested_key_suggests_and_lists_valid_keys() -> None:
         "zero_optimization.reduce_bucket_sise = 500000000.0: unknown key in 'zero_optimization'; did you mean "
         "'reduce_bucket_size', 'stage3_prefetch_bucket_size' or 'allgather_bucket_size'? Valid keys: stage, overlap_comm, contiguous_gradients, "
         "reduce_bucket_size, allgather_bucket_size, reduce_scatter, stage3_param_persistence_threshold, "
-        "stage3_prefetch_bucket_size, stage3_max_live_parameters"
+        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_gather_16bit_weights_on_model_save"
     )
 
 
@@ -247,7 +247,8 @@ def test_direct_construction_also_refuses_two_precisions() -> None:
 
 
 def test_zero_stage_3_and_its_persistence_threshold_load() -> None:
-    cfg = load_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4}})
+    cfg = load_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4,
+                                             "stage3_gather_16bit_weights_on_model_save": True}})  # as HF writes
     assert cfg.zero_optimization.stage == 3
     assert cfg.zero_optimization.stage3_param_persistence_threshold == 10_000
     assert load_config({}).zero_optimization.stage3_param_persistence_threshold == 100_000

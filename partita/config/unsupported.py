@@ -126,7 +126,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "sub_group_size": Unsupported(1_000_000_000),
         "stage3_model_persistence_threshold": Unsupported(9_223_372_036_854_775_807),
         "stage3_max_reuse_distance": Unsupported(1_000_000_000),
-        "stage3_gather_16bit_weights_on_model_save": Unsupported(False),
         "stage3_gather_fp16_weights_on_model_save": Unsupported(False),
         "stage3_module_granularity_threshold": Unsupported(0),
         "stage3_use_all_reduce_for_fetch_params": Unsupported(False),

@@ -102,6 +102,16 @@ class ZeroConfig(StrictSection):
         ),
     )
 
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False,
+        description=(
+            "ZeRO-3: gather whole 16-bit weights in engine.save_16bit_model. Accepted for "
+            "compatibility (Hugging Face configs set it): partita's save_16bit_model always "
+            "gathers, one parameter at a time, whatever the value. DeepSpeed default false "
+            "(DeepSpeed then writes no weights at stage 3)."
+        ),
+    )
+
     @field_validator("stage")
     @classmethod
     def _implemented_stage(cls, value: int) -> int:
