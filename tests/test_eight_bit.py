@@ -238,7 +238,7 @@ def _engine_eight_bit_params() -> dict:
     model = build_model()
     unused_before = model.unused.weight.detach().clone()
     engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     micro = engine.train_micro_batch_size_per_gpu()
     xs, ys = make_batches(4, 8)
     for step in range(4):

@@ -6,7 +6,7 @@ import torch
 
 from tests.harness import run_distributed
 from tests.tiny_models import build_block_model, param_groups, reference_train_model
-from tests.test_zero3 import GLOBAL_BATCH, LR, STEPS, CLIP, _config, train_stage3  # noqa: F401
+from tests.test_zero3 import CLIP, GLOBAL_BATCH, LR, STEPS, _config
 
 
 def _export_body(stage: int, out_dir: str) -> dict:
@@ -22,7 +22,7 @@ def _export_body(stage: int, out_dir: str) -> dict:
     model = build_block_model()
     initial = {n: p.detach().clone() for n, p in build_block_model().named_parameters()}
     engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     weight = model.blocks[0].up.weight
     with GatheredParameters([weight]):
         read_ok = torch.equal(weight.detach(), initial["blocks.0.up.weight"])

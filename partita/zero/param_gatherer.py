@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import logging
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -36,8 +35,6 @@ from partita.distributed import collectives
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
-
-logger = logging.getLogger("partita")
 
 _LEAF_TYPES_ATTR = "_partita_z3_leaf_types"
 
