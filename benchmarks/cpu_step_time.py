@@ -55,7 +55,7 @@ DOCS = REPO / "docs" / "performance.md"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=(0, 1, 2))
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=(0, 1, 2, 3))
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--nproc", type=int, default=2, help="processes (one per core)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per launch")

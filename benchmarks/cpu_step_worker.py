@@ -3,7 +3,7 @@
 Usage (the driver builds this command; run by hand only to debug one configuration):
 
     OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] torchrun --nproc_per_node 2 benchmarks/cpu_step_worker.py \
-        --engine {partita,deepspeed,ddp} --stage {0,1,2} --steps 20 --warmup 5 --out result.json
+        --engine {partita,deepspeed,ddp} --stage {0,1,2,3} --steps 20 --warmup 5 --out result.json
 
 What is timed: one full optimizer step -- forward, backward, ``step`` -- between two
 ``torch.distributed.barrier`` calls, so a step counts as done only when both ranks are done (the
@@ -39,7 +39,7 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, float, float
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("partita", "deepspeed", "ddp"), required=True)
-    p.add_argument("--stage", type=int, choices=(0, 1, 2), required=True)
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), required=True)
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before the timed ones")
     p.add_argument("--seed", type=int, default=1234)
