@@ -35,4 +35,4 @@ class CSVMonitor:
                 writer.writerow([step, repr(float(value))])
 
     def close(self) -> None:
-        pass
+        """Nothing to release: every print step opens, appends to and closes its files."""
