@@ -226,11 +226,11 @@ def _write_and_commit(
         error = f"{type(exc).__name__}: {exc}"
     # Always report, even a failure, so no rank waits for this one in vain.
     coordinator.publish("written", {"files": {n: [f.size, f.sha256] for n, f in written.items()}, "error": error})
-    if coordinator.rank == 0:
-        decision = _commit(coordinator, save_dir=save_dir, tag=tag, save_latest=save_latest, summary=summary)
-        coordinator.publish_root("commit", decision)
-    else:
-        decision = coordinator.wait_root("commit", what="committing the checkpoint")
+    decision = coordinator.decide(
+        "commit",
+        lambda: _commit(coordinator, save_dir=save_dir, tag=tag, save_latest=save_latest, summary=summary),
+        what="committing the checkpoint",
+    )
     if decision.get("error"):
         raise CheckpointError(f"saving checkpoint {save_dir / tag} failed: {decision['error']} (what was written is in {partial})")
     if coordinator.rank == 0:

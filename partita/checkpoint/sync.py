@@ -18,7 +18,7 @@ import itertools
 import json
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -97,16 +97,38 @@ class Coordinator:
             ) from None
         return [json.loads(self.store.get(key)) for key in keys]
 
-    def publish_root(self, name: str, value: dict[str, Any]) -> None:
-        """Rank 0 posts a decision every rank waits for."""
-        self.store.set(f"{self.prefix}/{name}/root", json.dumps(value))
+    def decide(self, name: str, decide_on_root: Callable[[], dict[str, Any]], *, what: str) -> dict[str, Any]:
+        """Rank 0 computes a decision with ``decide_on_root``; every rank returns it.
 
-    def wait_root(self, name: str, *, what: str) -> dict[str, Any]:
+        Rank 0 returns only after every rank has read the decision. When rank 0 hosts the
+        store (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a plain env:// init), a
+        rank 0 that saved its last checkpoint and exited at once would otherwise take the store
+        with it while the other ranks are still reading ("Connection reset by peer").
+        """
         key = f"{self.prefix}/{name}/root"
-        try:
-            self.store.wait([key], timedelta(seconds=self.long_timeout_s))
-        except RuntimeError:
-            raise CheckpointSyncError(
-                f"{self.op}: rank 0 did not finish {what} within {self.long_timeout_s:g} s (it died or is stuck)"
-            ) from None
-        return json.loads(self.store.get(key))
+        if self.rank == 0:
+            decision = decide_on_root()
+            self.store.set(key, json.dumps(decision))
+        else:
+            try:
+                self.store.wait([key], timedelta(seconds=self.long_timeout_s))
+            except RuntimeError:
+                raise CheckpointSyncError(
+                    f"{self.op}: rank 0 did not finish {what} within {self.long_timeout_s:g} s (it died or is stuck)"
+                ) from None
+            decision = json.loads(self.store.get(key))
+        # Only rank 0 waits for the acknowledgements, and it only waits (no reads of them after
+        # the wait), so no rank touches the store after rank 0 may have moved on.
+        if self.rank != 0:
+            self.publish(f"{name}-read", {})
+        elif self.world_size > 1:
+            acks = self._keys(f"{name}-read")[1:]
+            try:
+                self.store.wait(acks, timedelta(seconds=self.long_timeout_s))
+            except RuntimeError:
+                missing = [r for r, key in enumerate(acks, start=1) if not self.store.check([key])]
+                raise CheckpointSyncError(
+                    f"{self.op}: rank(s) {missing} did not read rank 0's decision after {what} within "
+                    f"{self.long_timeout_s:g} s (a rank died or is stuck)"
+                ) from None
+        return decision
