@@ -199,7 +199,8 @@ def test_unknown_nested_key_suggests_and_lists_valid_keys() -> None:
         "zero_optimization.reduce_bucket_sise = 500000000.0: unknown key in 'zero_optimization'; did you mean "
         "'reduce_bucket_size', 'stage3_prefetch_bucket_size' or 'allgather_bucket_size'? Valid keys: stage, overlap_comm, contiguous_gradients, "
         "reduce_bucket_size, allgather_bucket_size, reduce_scatter, stage3_param_persistence_threshold, "
-        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_gather_16bit_weights_on_model_save"
+        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_gather_16bit_weights_on_model_save, "
+        "sub_group_size, offload_optimizer, offload_param"
     )
 
 
@@ -302,11 +303,9 @@ def test_every_problem_is_listed_in_one_error() -> None:
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
         ({"memory_breakdown": True}, "memory_breakdown"),
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, "zero_optimization.offload_optimizer"),
-        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param"),
+        ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"stage3_max_reuse_distance": 1e8}}, "zero_optimization.stage3_max_reuse_distance"),
         ({"zero_optimization": {"stage3_some_future_knob": 1}}, "zero_optimization.stage3_some_future_knob"),
-        ({"zero_optimization": {"sub_group_size": 1e8}}, "zero_optimization.sub_group_size"),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
         ({"zero_optimization": {"round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
@@ -327,8 +326,8 @@ def test_unsupported_message_names_the_harmless_value() -> None:
         'comet = {"enabled": true}: \'comet\' is a DeepSpeed setting partita does not implement yet; '
         'remove it (the value {"enabled": false} has no effect and is accepted).'
     )
-    line = only_problem({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
-    assert 'remove it (the value {"device": "none"} has no effect and is accepted)' in line
+    line = only_problem({"zero_optimization": {"cpu_offload": True}})
+    assert "remove it (the value false has no effect and is accepted). Use \"offload_optimizer\": {\"device\": \"cpu\"}" in line
 
 
 @pytest.mark.parametrize(
@@ -357,7 +356,7 @@ def test_a_boolean_is_not_mistaken_for_a_numeric_default() -> None:
 
 def test_unsupported_table_holds_the_documented_sections() -> None:
     top = set(UNSUPPORTED[()])
-    for key in ("comet", "pipeline", "aio", "seq_parallel_communication_data_type",
+    for key in ("comet", "pipeline", "seq_parallel_communication_data_type",
                 "prescale_gradients", "compile", "tensor_parallel", "elasticity", "autotuning", "amp",
                 "sparse_attention", "data_efficiency", "compression_training", "moe",
                 "zero_allow_untested_optimizer", "memory_breakdown", "dump_state", "prescale_gradients"):  # fmt: skip
@@ -601,3 +600,44 @@ def test_json_nan_is_refused(tmp_path: Path) -> None:
 def test_other_config_types_are_refused(value: object, name: str) -> None:
     with pytest.raises(ConfigError, match=rf"^config must be a dict or the path of a \.json file .*, got {name}"):
         load_config(value)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- offload
+
+
+def test_offload_sections_load_with_deepspeed_defaults() -> None:
+    cfg = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": 1e8,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "pin_memory": True, "ratio": 0.5},
+                "offload_param": {"device": "cpu"},
+            },
+            "aio": {"block_size": 262144, "thread_count": 2},
+        }
+    )
+    zero = cfg.zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.ratio, zero.offload_optimizer.buffer_count) == ("nvme", 0.5, 4)
+    assert zero.offload_optimizer.delayed_param_update is False
+    assert (zero.offload_param.device, zero.offload_param.buffer_count, zero.offload_param.buffer_size) == ("cpu", 5, 100_000_000)
+    assert zero.sub_group_size == 100_000_000
+    assert (cfg.aio.block_size, cfg.aio.intra_op_parallelism, cfg.aio.queue_depth) == (262144, 2, 8)
+    assert load_config({"zero_optimization": {"offload_param": None}}).zero_optimization.offload_param.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer needs ZeRO stage 1, 2 or 3"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param needs ZeRO stage 3"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}}, "offload_optimizer.device"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}}, "ratio"),
+        ({"aio": {"block_size": 1000}}, "aio.block_size must be a multiple of 4096"),
+        ({"aio": {"use_gds": True}}, "GPUDirect Storage is not available"),
+    ],
+)
+def test_bad_offload_settings_are_explained(config: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert expected in str(caught.value)

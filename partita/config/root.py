@@ -25,6 +25,7 @@ from partita.monitor.config import (
     ThroughputConfig,
     WandbConfig,
 )
+from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from partita.zero.config import ZeroConfig
@@ -183,6 +184,10 @@ class PartitaConfig(StrictSection):
     throughput: ThroughputConfig = Field(
         default_factory=ThroughputConfig,
         description="partita only: warm-up steps, FLOPs per token and device peak for throughput and MFU.",
+    )
+    aio: AioConfig = Field(
+        default_factory=AioConfig,
+        description="Block I/O for NVMe offload swap files (zero_optimization.offload_*.device \"nvme\").",
     )
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig,

@@ -88,7 +88,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
     (): {
         "comet": Unsupported(_off(), _MONITOR),
         "pipeline": Unsupported({}),
-        "aio": Unsupported({}),
         "seq_parallel_communication_data_type": Unsupported("fp32"),
         "prescale_gradients": Unsupported(False),
         "compile": Unsupported({"deepcompile": False}),
@@ -118,12 +117,9 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "dataloader_drop_last": Unsupported(False),
     },
     _ZERO: {
-        "offload_optimizer": Unsupported({"device": "none"}),
-        "offload_param": Unsupported({"device": "none"}),
-        "cpu_offload": Unsupported(False),
-        "cpu_offload_params": Unsupported(False),
-        "cpu_offload_use_pin_memory": Unsupported(False),
-        "sub_group_size": Unsupported(1_000_000_000),
+        "cpu_offload": Unsupported(False, 'Use "offload_optimizer": {"device": "cpu"} (the current spelling).'),
+        "cpu_offload_params": Unsupported(False, 'Use "offload_param": {"device": "cpu"} (the current spelling).'),
+        "cpu_offload_use_pin_memory": Unsupported(False, 'Use "pin_memory" inside "offload_optimizer" / "offload_param".'),
         "stage3_model_persistence_threshold": Unsupported(9_223_372_036_854_775_807),
         "stage3_max_reuse_distance": Unsupported(1_000_000_000),
         "stage3_gather_fp16_weights_on_model_save": Unsupported(False),
@@ -166,7 +162,7 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
 
 # Whole families of keys, for spellings newer DeepSpeed versions add.
 UNSUPPORTED_PREFIXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    _ZERO: ("stage3_", "mics_", "zero_quantized_", "offload_", "cpu_offload"),
+    _ZERO: ("stage3_", "mics_", "zero_quantized_", "cpu_offload"),
 }
 
 

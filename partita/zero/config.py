@@ -1,7 +1,7 @@
 """The ``zero_optimization`` section: which ZeRO stage to run and how to bucket its traffic.
 
 Keys, meanings and defaults follow DeepSpeed 0.19. Keys for features partita lacks
-(offload, ZeRO-3 tuning, MiCS, ZeRO++) are refused by the loader with an explanation
+(MiCS, ZeRO++, some ZeRO-3 tuning) are refused by the loader with an explanation
 (see ``partita.config.unsupported``) rather than listed here.
 """
 
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from partita.config.base import JsonInt, StrictSection
+from partita.offload.config import OffloadOptimizerConfig, OffloadParamConfig
 
 
 class ZeroConfig(StrictSection):
@@ -111,6 +112,45 @@ class ZeroConfig(StrictSection):
             "(DeepSpeed then writes no weights at stage 3)."
         ),
     )
+
+    sub_group_size: JsonInt = Field(
+        1_000_000_000,
+        gt=0,
+        description=(
+            "Elements of the optimizer partition stepped at a time when it is offloaded: with NVMe, "
+            "each sub-group is read, stepped and written back in turn, so CPU memory holds only a "
+            "few sub-groups. DeepSpeed default 1e9."
+        ),
+    )
+    offload_optimizer: OffloadOptimizerConfig = Field(
+        default_factory=OffloadOptimizerConfig,
+        description="Optimizer states and fp32 master weights in CPU memory or on NVMe (ZeRO-Offload).",
+    )
+    offload_param: OffloadParamConfig = Field(
+        default_factory=OffloadParamConfig,
+        description="ZeRO-3 parameter shards in CPU memory or on NVMe (ZeRO-Infinity).",
+    )
+
+    @field_validator("offload_optimizer", "offload_param", mode="before")
+    @classmethod
+    def _null_means_off(cls, value: object) -> object:
+        return {} if value is None else value  # DeepSpeed configs write "offload_param": null for "off"
+
+    @model_validator(mode="after")
+    def _offload_needs_sharding(self) -> ZeroConfig:
+        if self.offload_optimizer.enabled and self.stage == 0:
+            raise PydanticCustomError(
+                "offload_stage",
+                "offload_optimizer needs ZeRO stage 1, 2 or 3 (stage 0 keeps the whole optimizer on every "
+                "rank); set zero_optimization.stage to 1 or more, or offload_optimizer.device to \"none\"",
+            )
+        if self.offload_param.enabled and self.stage != 3:
+            raise PydanticCustomError(
+                "offload_stage",
+                "offload_param needs ZeRO stage 3 (only stage 3 shards parameters); set "
+                "zero_optimization.stage to 3, or offload_param.device to \"none\"",
+            )
+        return self
 
     @field_validator("stage")
     @classmethod

@@ -1,0 +1,168 @@
+"""The ``offload_optimizer``, ``offload_param`` (inside ``zero_optimization``) and ``aio`` sections.
+
+Keys, meanings and defaults follow DeepSpeed 0.19 (``zero/offload_config.py`` and
+``aio_config.py``); partita's additions are marked as such in their descriptions.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from partita.config.base import JsonInt, StrictSection
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+_NVME_PATH_HELP = (
+    "Directory for swap files when device is \"nvme\" (a fast local disk). It must exist and have "
+    "room for the swapped tensors: partita checks both and pre-allocates the files at start. "
+    "DeepSpeed default \"/local_nvme\"."
+)
+
+
+class OffloadOptimizerConfig(StrictSection):
+    """``zero_optimization.offload_optimizer``: fp32 master weights and optimizer states off the GPU."""
+
+    device: OffloadDevice = Field(
+        "none",
+        description=(
+            "Where fp32 master weights and optimizer states live: \"none\" (the accelerator), "
+            "\"cpu\" (CPU memory; the optimizer step runs on CPU) or \"nvme\" (files under nvme_path, "
+            "streamed through CPU memory sub-group by sub-group). Stages 1-3. DeepSpeed default \"none\"."
+        ),
+    )
+    nvme_path: str = Field("/local_nvme", description=_NVME_PATH_HELP)
+    buffer_count: JsonInt = Field(
+        4,
+        ge=1,
+        description=(
+            "Pinned CPU staging buffers for gradient downloads and parameter uploads (and NVMe "
+            "reads/writes); bounds the pinned memory partita adds. DeepSpeed default 4."
+        ),
+    )
+    pin_memory: bool = Field(
+        True,
+        description=(
+            "Page-lock CPU buffers so copies to and from the GPU run asynchronously at full PCIe "
+            "speed. Ignored without a GPU. DeepSpeed default true."
+        ),
+    )
+    pipeline_read: bool = Field(
+        False,
+        description="NVMe: read the next sub-group while the current one steps. DeepSpeed default false.",
+    )
+    pipeline_write: bool = Field(
+        False,
+        description="NVMe: write a stepped sub-group back while the next one steps. DeepSpeed default false.",
+    )
+    fast_init: bool = Field(
+        False,
+        description="NVMe: accepted for compatibility; partita always initialises swap files in large writes. DeepSpeed default false.",
+    )
+    ratio: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Fraction of the optimizer partition offloaded (by elements, whole parameters at a "
+            "time, the earliest-registered first); the rest stays on the accelerator and steps there. "
+            "DeepSpeed default 1.0."
+        ),
+    )
+    delayed_param_update: bool = Field(
+        False,
+        description=(
+            "partita extension: the one-step-delayed parameter update of the ZeRO-Offload paper. The "
+            "CPU step of step t runs while the accelerator computes step t+1, whose gradients are "
+            "therefore taken on weights one update old. This changes the math (it is not the same "
+            "training as without it); off by default."
+        ),
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+class OffloadParamConfig(StrictSection):
+    """``zero_optimization.offload_param``: ZeRO-3 parameter shards off the GPU."""
+
+    device: OffloadDevice = Field(
+        "none",
+        description=(
+            "Where each rank's 16-bit parameter shards live between uses at ZeRO stage 3: \"none\", "
+            "\"cpu\" or \"nvme\". They are brought to the accelerator by the stage-3 prefetch. "
+            "DeepSpeed default \"none\"."
+        ),
+    )
+    nvme_path: str = Field("/local_nvme", description=_NVME_PATH_HELP)
+    buffer_count: JsonInt = Field(5, ge=1, description="Pinned buffers for parameter swapping. DeepSpeed default 5.")
+    buffer_size: JsonInt = Field(
+        100_000_000, gt=0, description="Elements per parameter swap buffer. DeepSpeed default 1e8."
+    )
+    max_in_cpu: JsonInt = Field(
+        1_000_000_000,
+        ge=0,
+        description="NVMe: parameter elements kept in CPU memory before swapping to disk. DeepSpeed default 1e9.",
+    )
+    pin_memory: bool = Field(True, description="Page-lock CPU parameter shards. DeepSpeed default true.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+class AioConfig(StrictSection):
+    """``aio``: how NVMe swap files are read and written."""
+
+    key_aliases: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
+
+    block_size: JsonInt = Field(
+        1_048_576,
+        gt=0,
+        description="Bytes per read/write request; a multiple of 4096 for O_DIRECT. DeepSpeed default 1048576.",
+    )
+    queue_depth: JsonInt = Field(
+        8, ge=1, description="Requests in flight per I/O thread. DeepSpeed default 8."
+    )
+    intra_op_parallelism: JsonInt = Field(
+        1,
+        ge=1,
+        description=(
+            "Threads that split one tensor's reads and writes (also spelled thread_count). "
+            "DeepSpeed default 1."
+        ),
+    )
+    single_submit: bool = Field(
+        False, description="Submit requests one at a time instead of in batches. DeepSpeed default false."
+    )
+    overlap_events: bool = Field(
+        True, description="Overlap submitting new requests with completing earlier ones. DeepSpeed default true."
+    )
+    use_gds: bool = Field(
+        False,
+        description="GPUDirect Storage. Not available in partita: only false is accepted. DeepSpeed default false.",
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _page_multiple(cls, value: int) -> int:
+        if value % 4096:
+            raise PydanticCustomError(
+                "aio_block_size",
+                "aio.block_size must be a multiple of 4096 bytes (the page size O_DIRECT needs), e.g. 1048576",
+            )
+        return value
+
+    @field_validator("use_gds")
+    @classmethod
+    def _no_gds(cls, value: bool) -> bool:
+        if value:
+            raise PydanticCustomError(
+                "aio_use_gds",
+                "GPUDirect Storage is not available in partita; set aio.use_gds to false (NVMe swaps go "
+                "through pinned CPU buffers)",
+            )
+        return value
