@@ -62,6 +62,10 @@ def apply_zero(
         predivide_factor: divide gradients by this before the cross-rank sum, by world/factor after.
         accumulate_in_fp32: at stages 0/1, sum micro-batch gradients in fp32 (stages 2/3 always do).
     """
+    if config.offload_optimizer.enabled:
+        raise NotImplementedError(
+            "zero_optimization.offload_optimizer is not implemented yet; set offload_optimizer.device to \"none\""
+        )
     if config.offload_param.enabled:
         raise NotImplementedError(
             "zero_optimization.offload_param is not implemented yet; set offload_param.device to \"none\""
