@@ -195,8 +195,8 @@ def _train_eight_bit_under_zero(stages: list[int]) -> list[dict]:
             x = data[step, 4 * rank : 4 * rank + 4]
             _, loss = engine(x, x)
             engine.backward(loss)
-            for master, twin in zip(masters, shadows):
-                twin.grad = master.grad.clone()
+            for group, twin in zip(optimizer.groups, shadows):
+                twin.grad = group.grad_partition.clone()  # the reduced fp32 gradient partition
             shadow.step()
             engine.step()
             exact.append(all(torch.equal(m, s) for m, s in zip(masters, shadows)))

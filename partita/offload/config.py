@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from partita.config.base import JsonInt, StrictSection
@@ -84,6 +84,16 @@ class OffloadOptimizerConfig(StrictSection):
     @property
     def enabled(self) -> bool:
         return self.device != "none"
+
+    @model_validator(mode="after")
+    def _delay_needs_offload(self) -> OffloadOptimizerConfig:
+        if self.delayed_param_update and not self.enabled:
+            raise PydanticCustomError(
+                "offload_delay",
+                "delayed_param_update overlaps the host optimizer step with the next step and needs "
+                "offload_optimizer.device \"cpu\" or \"nvme\"; set the device or remove delayed_param_update",
+            )
+        return self
 
 
 class OffloadParamConfig(StrictSection):

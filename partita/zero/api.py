@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from partita.distributed.topology import Topology
+from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
 from partita.zero.gathered import register_owner
@@ -62,9 +63,10 @@ def apply_zero(
         predivide_factor: divide gradients by this before the cross-rank sum, by world/factor after.
         accumulate_in_fp32: at stages 0/1, sum micro-batch gradients in fp32 (stages 2/3 always do).
     """
-    if config.offload_optimizer.enabled:
+    offload = config.offload_optimizer
+    if offload.device == "nvme":
         raise NotImplementedError(
-            "zero_optimization.offload_optimizer is not implemented yet; set offload_optimizer.device to \"none\""
+            "zero_optimization.offload_optimizer.device \"nvme\" is not implemented yet; use \"cpu\""
         )
     if config.offload_param.enabled:
         raise NotImplementedError(
@@ -74,6 +76,12 @@ def apply_zero(
     num_shards = policy.num_shards(topology.data_size)
     shard_rank = topology.data_rank if num_shards > 1 else 0  # stage 0: every rank owns everything
     order = registration_index(module)
+    device = next(p.device for raw in param_groups for p in raw["params"])
+    transfer = (
+        HostTransfer(device, buffer_count=offload.buffer_count, pin_memory=offload.pin_memory)
+        if offload.enabled
+        else None
+    )
     groups = []
     for raw in param_groups:
         # Layout order = reverse registration order, the order backward produces
@@ -89,6 +97,7 @@ def apply_zero(
                 alignment=alignment,
                 # ZeRO-3 frees parameter storage between uses: it must not be the master's.
                 may_alias_params=not policy.shard_parameters,
+                host_transfer=transfer,
             )
         )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
@@ -99,6 +108,7 @@ def apply_zero(
         world_size=topology.data_size,
         gradient_clipping=gradient_clipping,
         allgather_bucket_numel=config.allgather_bucket_size,
+        delayed_update=offload.enabled and offload.delayed_param_update,
     )
     reducer = GradientReducer(
         groups,

@@ -273,9 +273,8 @@ class GradientReducer:
         if self._in_place:
             for run in bucket.runs:
                 group = self._groups[run.group]
-                if group.master.grad is None:  # no gradient of this group arrived yet: zeros
-                    group.master.grad = torch.zeros_like(group.master)
-                view = group.master.grad[run.partition_start : run.partition_start + run.numel]
+                # No gradient of this group arrived yet: the partition starts as zeros.
+                view = group.ensure_grad_partition()[run.partition_start : run.partition_start + run.numel]
                 bucket.in_place_works.append(
                     collectives.all_reduce(view, group=self._process_group, purpose=purpose, async_op=True)
                 )
@@ -316,6 +315,8 @@ class GradientReducer:
         while self._next_retire < len(self._buckets):
             self._retire(self._next_retire)
             self._next_retire += 1
+        for transfer in {id(g.host_transfer): g.host_transfer for g in self._groups if g.host_transfer}.values():
+            transfer.drain()  # offloaded partitions: the host adds must be done before the step reads them
         self._armed = False
 
     def take_received(self) -> list[list[bool]]:

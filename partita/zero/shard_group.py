@@ -9,12 +9,15 @@ row; ``all_gather_into_tensor`` of each rank's row rebuilds it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
 from partita.zero.partition import ShardLayout, ShardSpec
+
+if TYPE_CHECKING:
+    from partita.offload.transfer import HostTransfer
 
 
 def pack_into_columns(out: torch.Tensor, column: int, spec: ShardSpec, full: torch.Tensor | None) -> None:
@@ -59,20 +62,32 @@ class ShardedParamGroup:
         shard_rank: int,
         alignment: int = 1,
         may_alias_params: bool = True,
+        host_transfer: HostTransfer | None = None,
     ) -> None:
         self.params = list(params)
         self.options = dict(options)
         self.shard_rank = shard_rank
         self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards, alignment=alignment)
-        device = self.params[0].device
+        # ZeRO-Offload: the master, its gradient and the optimizer states live in host
+        # memory, and gradients/weights cross through ``host_transfer``.
+        self.host_transfer = host_transfer
+        device = torch.device("cpu") if host_transfer is not None else self.params[0].device
         self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
         self.aliases_params = False
         # The fp32 gradient partition exists only from the first reduced gradient of a step
         # until the optimizer step: allocated during backward (as activations are freed),
-        # not held through the forward, where the memory peak is.
-        self.master.grad = None
+        # not held through the forward, where the memory peak is. It is kept apart from
+        # ``master.grad``, which the inner optimizer reads and which is set only for the
+        # duration of a step: a delayed (background) step can then read one step's
+        # gradients while the next backward accumulates into a fresh partition.
+        self.grad_partition: torch.Tensor | None = None
         self.load_master_from_params()
-        if may_alias_params and num_shards == 1 and all(p.dtype == torch.float32 for p in self.params):
+        if (
+            may_alias_params
+            and num_shards == 1
+            and host_transfer is None  # an offloaded master is a host copy (even when the model is on the host)
+            and all(p.dtype == torch.float32 for p in self.params)
+        ):
             self._alias_params_to_master()
 
     @torch.no_grad()
@@ -83,6 +98,11 @@ class ShardedParamGroup:
         for param, spec in zip(self.params, self.layout.specs):
             param.data = self.master[spec.partition_offset : spec.partition_offset + spec.numel].view(spec.shape)
         self.aliases_params = True
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether this group's master partition lives in host memory (ZeRO-Offload)."""
+        return self.host_transfer is not None
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -117,11 +137,18 @@ class ShardedParamGroup:
 
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
         """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
-        if self.master.grad is None:
-            self.master.grad = torch.zeros_like(self.master)
-        target = self.master.grad[partition_start : partition_start + reduced.numel()]
+        target = self.ensure_grad_partition()[partition_start : partition_start + reduced.numel()]
+        if self.host_transfer is not None:
+            self.host_transfer.add_to_host(target, reduced, scale=scale)  # asynchronous; drained after backward
+            return
         # In-place add promotes bf16/fp16 into the fp32 target without a full-size fp32 temporary.
         target.add_(reduced, alpha=scale)
 
+    def ensure_grad_partition(self) -> torch.Tensor:
+        """The fp32 gradient partition, allocated (zeros) on first use after a step."""
+        if self.grad_partition is None:
+            self.grad_partition = torch.zeros_like(self.master)
+        return self.grad_partition
+
     def zero_grad(self) -> None:
-        self.master.grad = None
+        self.grad_partition = None

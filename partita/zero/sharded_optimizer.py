@@ -10,6 +10,8 @@ rank's whole partition. LR schedulers drive its ``param_groups`` as usual.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,8 @@ class ShardedOptimizer:
         world_size: data-parallel size.
         gradient_clipping: max global norm; 0 disables clipping.
         allgather_bucket_numel: elements per all-gather when writing parameters back.
+        delayed_update: apply each step's update one step late, from a background thread
+            (the ZeRO-Offload paper's delayed parameter update; changes the math).
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class ShardedOptimizer:
         world_size: int,
         gradient_clipping: float,
         allgather_bucket_numel: int,
+        delayed_update: bool = False,
     ) -> None:
         self.groups = groups
         self.inner = inner
@@ -68,6 +73,10 @@ class ShardedOptimizer:
         # ZeRO-3: the gatherer keeps sharded parameters' low-precision shards; only
         # persistent (small) parameters are written back whole after a step.
         self.param_store = None
+        # Delayed parameter update: one background thread runs the (host) optimizer step
+        # while the accelerator computes the next step; at most one update is in flight.
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="partita-step") if delayed_update else None
+        self._pending: tuple[Future, Callable[[], None] | None] | None = None
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -90,11 +99,12 @@ class ShardedOptimizer:
     def _reduce_norm_and_usage(self, received: list[list[bool]]) -> tuple[float, list[list[bool]]]:
         """One all-reduce for both the global squared norm and which parameters got a
         gradient on any rank (they are summed: > 0 means someone produced one)."""
-        device = self.groups[0].master.device
+        # The collective runs where the model lives (offloaded masters are in host memory).
+        device = self.groups[0].params[0].device
         local = torch.zeros((), dtype=torch.float32, device=device)
         for group in self.groups:
-            if group.master.grad is not None:  # None: nothing reduced into it (all zeros)
-                local += torch.linalg.vector_norm(group.master.grad, dtype=torch.float32).square()
+            if group.grad_partition is not None:  # None: nothing reduced into it (all zeros)
+                local += torch.linalg.vector_norm(group.grad_partition, dtype=torch.float32).square().to(device)
         if self._num_shards == 1 and self._world_size > 1 and dist.get_rank(self._process_group) != 0:
             local.zero_()  # replicated gradients: count them once, not world_size times
         flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
@@ -108,19 +118,26 @@ class ShardedOptimizer:
             i += len(group.params)
         return values[0], used
 
-    def step(self, *, loss_scale: float, received: list[list[bool]]) -> StepResult:
+    def step(self, *, loss_scale: float, received: list[list[bool]], after: Callable[[], None] | None = None) -> StepResult:
         """Unscale, clip, step and write the new weights back into the model.
 
         Args:
             loss_scale: the scale the loss was multiplied by before backward.
             received: per group and parameter, whether this rank produced a gradient.
+            after: runs once the update has been applied (the engine steps its LR scheduler
+                there, so a delayed update never reads a learning rate meant for the next step).
 
         An inf/nan anywhere (on any rank) skips the step on every rank: the norm is
         all-reduced, so all ranks see the same non-finite value and decide alike.
         Parameters that got no gradient on any rank keep their weights and optimizer
         moments, as torch optimizers skip parameters whose ``grad`` is None (a flat
         partition would otherwise apply weight decay and moment decay to them).
+
+        With a delayed update (``offload_optimizer.delayed_param_update``) the update runs on
+        a background thread and reaches the model at the next call (or
+        :meth:`finish_pending_step`): the next micro-batches run on weights one update old.
         """
+        self.finish_pending_step()
         norm_sq, used = self._reduce_norm_and_usage(received)
         norm = math.sqrt(norm_sq) / loss_scale
         if not math.isfinite(norm):
@@ -130,16 +147,48 @@ class ShardedOptimizer:
         if self._clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly.
             multiplier *= min(1.0, self._clip / (norm + 1e-6))
-        if multiplier != 1.0:
-            for group in self.groups:
-                if group.master.grad is not None:
-                    group.master.grad.mul_(multiplier)
+        grads = [group.grad_partition for group in self.groups]
+        self.zero_grad()  # the next backward starts a fresh gradient partition
+        if self._background is not None:
+            self._pending = (self._background.submit(self._apply_update, grads, multiplier, used), after)
+            return StepResult(applied=True, grad_norm=norm)
+        self._apply_update(grads, multiplier, used)
+        self.write_back_params()
+        if after is not None:
+            after()
+        return StepResult(applied=True, grad_norm=norm)
+
+    @torch.no_grad()
+    def _apply_update(self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]]) -> None:
+        """Run the inner optimizer on the master partitions with these gradient partitions."""
+        for group, grad in zip(self.groups, grads):
+            if grad is not None and multiplier != 1.0:
+                grad.mul_(multiplier)
+            group.master.grad = grad  # None: the group got no gradient; torch skips it
         kept = self._save_unused(used)
         self.inner.step()
         self._restore_unused(kept)
-        self.zero_grad()
+        for group in self.groups:
+            group.master.grad = None
+
+    @property
+    def update_pending(self) -> bool:
+        """A delayed update has been computed (or is being computed) but is not in the model yet."""
+        return self._pending is not None
+
+    def finish_pending_step(self) -> None:
+        """Wait for a delayed update and write it into the model (a no-op without one).
+
+        The engine calls this before checkpoints and exports, so what is saved is the
+        state of one consistent step.
+        """
+        if self._pending is None:
+            return
+        (future, after), self._pending = self._pending, None
+        future.result()  # re-raises what failed in the background step
         self.write_back_params()
-        return StepResult(applied=True, grad_norm=norm)
+        if after is not None:
+            after()
 
     def _state_views(self, group: ShardedParamGroup, lo: int, hi: int) -> list[torch.Tensor]:
         """Views of the master partition and of every optimizer-state tensor covering
@@ -187,7 +236,11 @@ class ShardedOptimizer:
                     continue  # same decision on every rank: the sharded set is identical
                 # Cast bucket by bucket: a whole-partition low-precision copy would cost
                 # another 2 bytes per parameter at the memory peak.
-                mine = group.master[bucket.partition_start : bucket.partition_end].to(group.model_dtype)
+                mine = group.master[bucket.partition_start : bucket.partition_end]
+                if group.host_transfer is not None:
+                    mine = group.host_transfer.upload(mine, group.model_dtype)  # cast on the host, copy asynchronously
+                else:
+                    mine = mine.to(group.model_dtype)
                 if self._num_shards == 1:
                     gathered = mine.view(1, -1)
                 else:
@@ -202,7 +255,9 @@ class ShardedOptimizer:
                     unpack_from_columns(gathered, column, spec, group.params[spec.index])
 
     def state_dict(self) -> dict:
+        self.finish_pending_step()
         return {"inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self.finish_pending_step()
         self.inner.load_state_dict(state["inner"])

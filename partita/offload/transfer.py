@@ -1,0 +1,183 @@
+"""Moving ZeRO-Offload traffic between the accelerator and host memory without stalling either.
+
+Two directions, both through a bounded pool of pinned staging buffers
+(:class:`partita.offload.buffer_pool.PinnedBufferPool`), so the pinned memory partita adds
+is ``buffer_count x STAGING_BYTES`` whatever the model size:
+
+- gradients down (:meth:`HostTransfer.add_to_host`): a reduced gradient slice is copied into
+  a staging buffer on a side CUDA stream, and a worker thread adds it into the fp32 host
+  gradient partition once the copy's event has fired. Backward keeps launching kernels
+  meanwhile; the host add of one bucket overlaps the reduction of the next.
+- parameters up (:meth:`HostTransfer.upload`): an fp32 master slice is cast into a staging
+  buffer on the host and copied to the device asynchronously on the current stream, so the
+  all-gather that follows is ordered after it with no host synchronisation.
+
+Why our own code: torch has the pieces (pinned memory, streams, events, non-blocking
+copies) but no component that pipelines them; DeepSpeed's is inside its ZeRO optimizer.
+
+On a CPU-only machine the same path runs (the "device" is the host), so the CPU tests
+exercise the pool, the worker and the chunking that GPU runs use.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from partita.offload.buffer_pool import PinnedBufferPool
+
+# Bytes per staging buffer: large enough for full PCIe bandwidth (transfers of tens of MB
+# run at the link's rate), small enough that the pool stays a few hundred MB at most.
+STAGING_BYTES = 64 * 2**20
+# How long a producer waits for a free staging buffer before concluding the worker is stuck.
+_ACQUIRE_TIMEOUT_S = 600.0
+
+
+class OffloadTransferError(RuntimeError):
+    """A host-side copy or add of ZeRO-Offload failed (raised on the training thread)."""
+
+
+class HostTransfer:
+    """The device <-> host copies of one engine's offloaded optimizer partitions.
+
+    Args:
+        device: the accelerator the model runs on (``cpu`` on a CPU-only machine).
+        buffer_count: staging buffers in the pool (``offload_optimizer.buffer_count``).
+        pin_memory: page-lock the staging buffers (only meaningful with CUDA).
+        staging_bytes: bytes per staging buffer (default :data:`STAGING_BYTES`).
+    """
+
+    def __init__(
+        self, device: torch.device, *, buffer_count: int, pin_memory: bool, staging_bytes: int | None = None
+    ) -> None:
+        self.device = device
+        staging_bytes = staging_bytes or STAGING_BYTES
+        self._cuda = device.type == "cuda"
+        self.pool = PinnedBufferPool(
+            count=buffer_count, numel=staging_bytes, dtype=torch.uint8, pin=pin_memory and self._cuda, name="offload staging"
+        )
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._run, name="partita-offload", daemon=True)
+        self._worker.start()
+        self.bytes_down = 0
+        self.bytes_up = 0
+
+    # ------------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            try:
+                if task is None:
+                    return
+                if self._error is None:
+                    task()
+            except BaseException as error:  # noqa: BLE001 - handed to the training thread by drain()
+                self._error = error
+            finally:
+                self._tasks.task_done()
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise OffloadTransferError(f"offload worker failed: {type(error).__name__}: {error}") from error
+
+    def _acquire(self) -> torch.Tensor:
+        self._raise_worker_error()
+        return self.pool.acquire(timeout_s=_ACQUIRE_TIMEOUT_S)
+
+    def _event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    # ------------------------------------------------------------------ gradients down
+
+    def add_to_host(self, target: torch.Tensor, source: torch.Tensor, *, scale: float) -> None:
+        """Asynchronously do ``target += scale * source`` with ``target`` in host memory.
+
+        ``source`` (on the device) may be freed by the caller right away: the copy holds
+        it through ``record_stream``. Call :meth:`drain` before reading ``target``.
+        """
+        if target.numel() != source.numel():
+            raise ValueError(f"add_to_host: target has {target.numel()} elements, source {source.numel()}")
+        step = self.pool.buffer_bytes // source.element_size()
+        for lo in range(0, source.numel(), step):
+            hi = min(lo + step, source.numel())
+            buffer = self._acquire()
+            staging = buffer[: (hi - lo) * source.element_size()].view(source.dtype)
+            chunk = source[lo:hi]
+            if self._cuda:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    staging.copy_(chunk, non_blocking=True)
+                chunk.record_stream(self._stream)  # the caller may drop its reference now
+                event = self._event(self._stream)
+            else:
+                staging.copy_(chunk)
+                event = None
+            self.bytes_down += staging.numel() * staging.element_size()
+            self._tasks.put(self._host_add(event, target[lo:hi], staging, scale, buffer))
+
+    def _host_add(self, event, target, staging, scale, buffer) -> Callable[[], None]:
+        def task() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                target.add_(staging, alpha=scale)
+            finally:
+                self.pool.release(buffer)
+
+        return task
+
+    # ------------------------------------------------------------------ parameters up
+
+    def upload(self, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``source`` (host, fp32) cast to ``dtype`` on the device; returns before the copy ends.
+
+        Work queued on the current stream afterwards (the parameter all-gather) sees the
+        data; staging buffers go back to the pool when their copy has finished.
+        """
+        out = torch.empty(source.numel(), dtype=dtype, device=self.device)
+        element = out.element_size()
+        step = self.pool.buffer_bytes // element
+        for lo in range(0, source.numel(), step):
+            hi = min(lo + step, source.numel())
+            buffer = self._acquire()
+            staging = buffer[: (hi - lo) * element].view(dtype)
+            staging.copy_(source[lo:hi])  # the cast runs on the host, halving the bytes sent
+            out[lo:hi].copy_(staging, non_blocking=self._cuda)
+            self.bytes_up += (hi - lo) * element
+            event = self._event()
+            self._tasks.put(self._release_after(event, buffer))
+        return out
+
+    def _release_after(self, event, buffer) -> Callable[[], None]:
+        def task() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+            finally:
+                self.pool.release(buffer)
+
+        return task
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def drain(self) -> None:
+        """Wait until every queued copy and host add has finished; raise what failed."""
+        self._tasks.join()
+        self._raise_worker_error()
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._tasks.put(None)
+            self._worker.join()
+        self.pool.close()
