@@ -233,7 +233,7 @@ def world_one_checks(root: str, jobs: list[tuple[str, dict]]) -> dict:
     fresh.load_checkpoint(f"{root}/z2_fp32", load_module_only=True)  # latest: global_step5
     out["module_only"] = (_full_params(fresh), fresh.global_steps, len(fresh.optimizer.inner.state))
 
-    # 8-bit AdamW (uint8 codes, per-block scales): its state is stored per rank and resumes exactly.
+    # 8-bit AdamW (uint8 codes, per-block scales): saved per parameter, block by block; resumes exactly.
     cfg = _config(2)
     cfg["optimizer"] = {"type": "AdamW8bit", "params": {"lr": 1e-2, "weight_decay": 0.1}}
     runs = []

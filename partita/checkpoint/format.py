@@ -23,6 +23,11 @@ name>`` (``state/exp_avg/fc1.weight``). meta.json's parameter table records, for
 trainable parameter, its group, full shape and the list of ``{file, start, end}`` shards.
 A load on any world size and ZeRO stage reads, for each range it owns now, the overlapping
 parts of the saved shards: no conversion step, and a rank reads only what it needs.
+Block-wise (8-bit) optimizer state is cut the same way (meta.json's group records its
+``block_size``): codes ``state/state1/<name>`` per element, over the shard's range rounded up
+to whole blocks; scales ``state/absmax1/<name>`` per block, over blocks ``[start/B,
+ceil(end/B))``; and ``master_padding/<name>``, the master weights of the padding in a
+parameter's last block (:mod:`partita.checkpoint.state_layout` says why this is exact).
 At stage 0 every rank holds the whole state, so only rank 0 writes shards (one range per
 parameter covering it all). ZeRO-3 uses the same table; its model file may then omit the
 sharded parameters, which are rebuilt from the fp32 master shards.
@@ -56,8 +61,13 @@ def state_key(state_name: str, param_name: str) -> str:
     return f"state/{state_name}/{param_name}"
 
 
+def master_padding_key(param_name: str) -> str:
+    """The master weights of the padding elements in a parameter's last block (block-wise state)."""
+    return f"master_padding/{param_name}"
+
+
 def local_state_key(group: int, state_name: str) -> str:
-    """Optimizer state that is laid out per rank and cannot be resharded (block-wise scales...)."""
+    """Optimizer state of a kind partita cannot cut per parameter: saved per rank, same-layout loads only."""
     return f"local/group{group}/{state_name}"
 
 

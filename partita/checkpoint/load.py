@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,11 +31,14 @@ from partita.checkpoint.reshard import ShardReader
 from partita.checkpoint.rng import restore_rng
 from partita.checkpoint.save import checkpoint_config, long_timeout_s, wait_for_pending_save
 from partita.checkpoint.snapshot import IMPLEMENTATION_OPTIONS, LOCAL_MASTER, param_names, shard_file_of, sharded_param_keys
+from partita.checkpoint.state_layout import block_range, block_shards, element_shards, element_stop
 from partita.checkpoint.sync import Coordinator
 from partita.data.sampler import ResumableDistributedSampler
+from partita.optim.eight_bit import BLOCK_SIZE
 
 if TYPE_CHECKING:
     from partita.engine import Engine
+    from partita.zero.shard_group import ShardedParamGroup
 
 logger = logging.getLogger("partita")
 
@@ -315,14 +319,7 @@ def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, A
     new_groups = []
     for g, (group, group_meta) in enumerate(zip(engine.optimizer.groups, groups_meta)):
         (index,) = current["param_groups"][g]["params"]
-        state: dict[str, Any] = {}
-        for key in group_meta["partition_state"]:
-            tensor = torch.zeros_like(group.master)
-            for param, spec, (start, end) in group.owned_slices():
-                name = names[param]
-                target = tensor[spec.partition_offset : spec.partition_offset + (end - start)]
-                reader.read_range(fmt.state_key(key, name), optimizer_meta["params"][name]["shards"], start, end, target)
-            state[key] = tensor
+        state = _sharded_state(engine, reader, optimizer_meta, g, group_meta, names)
         state.update(decode(group_meta["scalar_state"], tensor=tensor_of))
         if group_meta["local_state"]:
             state.update(_local_state(engine, reader, meta, g, group_meta))
@@ -335,14 +332,81 @@ def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, A
     inner.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
+def _check_block_size(group: ShardedParamGroup, g: int, block_size: int) -> None:
+    """Block-wise state moves block by block only between layouts with the same block size."""
+    if block_size != BLOCK_SIZE:
+        raise CheckpointMismatchError(
+            f"the checkpoint's 8-bit optimizer state of param group {g} is quantised in blocks of {block_size} "
+            f"elements, this run's optimizer uses blocks of {BLOCK_SIZE}; the per-block scales cannot be re-cut "
+            "between block sizes. Resume with the bitsandbytes version (block size) that saved it, or pass "
+            "load_optimizer_states=False (weights and fp32 master weights are still loaded)"
+        )
+    misaligned = [s.index for s in group.layout.specs if s.shard_numel % block_size or s.partition_offset % block_size]
+    if misaligned:
+        raise CheckpointMismatchError(
+            f"param group {g} has a ZeRO layout whose shards are not multiples of the 8-bit block size {block_size} "
+            f"(parameters {_few([str(i) for i in misaligned])}); build it with alignment={block_size} "
+            "(partita.optim.factory.required_alignment), as partita.initialize does"
+        )
+
+
+@torch.no_grad()
+def _sharded_state(engine: Engine, reader: ShardReader, optimizer_meta: dict[str, Any], g: int,
+                   group_meta: dict[str, Any], names: dict[torch.nn.Parameter, str]) -> dict[str, Any]:
+    """This rank's partition of the per-element and per-block state of group ``g``, read per
+    parameter from the saved shards (block-wise state: see partita.checkpoint.state_layout)."""
+    group = engine.optimizer.groups[g]
+    master = group.master
+    block_size = group_meta.get("block_size")
+    block_keys = group_meta.get("block_state", [])
+    dtypes = group_meta.get("state_dtypes", {})
+    if block_size is not None:
+        _check_block_size(group, g, block_size)
+    state: dict[str, Any] = {}
+    for key in group_meta["partition_state"]:
+        dtype = getattr(torch, dtypes.get(key, "float32"))
+        state[key] = torch.zeros(master.shape, dtype=dtype, device=master.device)
+    for key in block_keys:
+        blocks = math.ceil(master.numel() / block_size)
+        state[key] = torch.zeros(blocks, dtype=getattr(torch, dtypes.get(key, "float32")), device=master.device)
+    for param, spec, (start, end) in group.owned_slices():
+        if end <= start:
+            continue
+        name = names[param]
+        shards = optimizer_meta["params"][name]["shards"]
+        stop = element_stop(end, block_size)
+        lo = spec.partition_offset
+        for key in group_meta["partition_state"]:
+            target = state[key][lo : lo + (stop - start)]
+            reader.read_range(fmt.state_key(key, name), element_shards(shards, block_size), start, stop, target)
+        if block_size is None:
+            continue
+        first, last = block_range(start, stop, block_size)
+        offset = lo // block_size
+        for key in block_keys:
+            target = state[key][offset : offset + (last - first)]
+            reader.read_range(fmt.state_key(key, name), block_shards(shards, block_size), first, last, target)
+        if end == spec.numel and stop > end:
+            # The padding that shares the last block; the rank owning the parameter's last
+            # element owned (and saved) the whole block in the saving layout too.
+            padding = reader.tensor(shards[-1]["file"], fmt.master_padding_key(name))
+            master[lo + (end - start) : lo + (stop - start)].copy_(padding)
+    return state
+
+
 def _local_state(engine: Engine, reader: ShardReader, meta: dict[str, Any], g: int, group_meta: dict[str, Any]) -> dict[str, Any]:
-    """Optimizer state laid out per rank (not per element): loads only onto the same layout."""
+    """Optimizer state partita cannot cut per parameter (saved per rank): same layout only.
+
+    8-bit state is saved per parameter now; a checkpoint holding it under ``local_state`` was
+    written by an earlier partita and loads onto its own layout only.
+    """
     group = engine.optimizer.groups[g]
     if group_meta["num_shards"] != group.layout.num_shards or meta["world_size"] != dist.get_world_size():
         raise NotImplementedError(
             f"optimizer state {group_meta['local_state']} of group {g} is stored per rank and cannot be resharded "
-            f"from {group_meta['num_shards']} to {group.layout.num_shards} shards; resume on the saved world size "
-            f"({meta['world_size']}) and ZeRO stage ({meta['zero_stage']}), or pass load_optimizer_states=False"
+            f"from {group_meta['num_shards']} to {group.layout.num_shards} shards (the optimizer keeps state partita "
+            "cannot split per parameter, or the checkpoint predates per-parameter 8-bit state); resume on the saved "
+            f"world size ({meta['world_size']}) and ZeRO stage ({meta['zero_stage']}), or pass load_optimizer_states=False"
         )
     source = shard_file_of(engine, group.shard_rank)
     group.master.copy_(reader.tensor(source, fmt.local_state_key(g, LOCAL_MASTER)))  # padding included

@@ -20,7 +20,9 @@ from partita.checkpoint import format as fmt
 from partita.checkpoint.jsoncodec import encode
 from partita.checkpoint.rng import capture_rng, rng_metadata
 from partita.checkpoint.safetensors_io import TensorEntry
+from partita.checkpoint.state_layout import StateLayout, block_range, classify_state, element_stop
 from partita.data.sampler import ResumableDistributedSampler
+from partita.zero.partition import ShardSpec
 
 if TYPE_CHECKING:
     from partita.engine import Engine
@@ -111,29 +113,6 @@ def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     return out
 
 
-def _classify_state(state: dict[str, Any], master: torch.Tensor) -> tuple[list[str], dict[str, Any], list[str]]:
-    """Split one group's optimizer state into per-element tensors (shaped like the master
-    partition: saved per parameter, reshardable), scalars/other values (the same on every
-    rank) and rank-local tensors.
-
-    Any other tensor (8-bit optimizers' per-block scales and code tables) makes the group's
-    whole state rank-local: saved as this rank's partition tensors, loadable only onto the
-    same layout. Per-parameter slices would lose the padding elements' codes that share a
-    block with a parameter's last elements, and the resumed run would not be exact.
-    """
-    partition, scalars, local = [], {}, []
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == master.shape:
-            partition.append(key)
-        elif torch.is_tensor(value) and value.dim() > 0:
-            local.append(key)
-        else:
-            scalars[key] = value
-    if local:
-        return [], scalars, partition + local
-    return partition, scalars, local
-
-
 def shard_file_of(engine: Engine, shard_rank: int) -> str:
     """The file holding shard ``shard_rank``: the rank file of the data rank that owns it."""
     group = engine.topology.data_group
@@ -144,6 +123,26 @@ def writes_shards(engine: Engine) -> bool:
     """Whether this rank writes optimizer shards: all ranks when sharded, data rank 0 when replicated."""
     num_shards = engine.optimizer.groups[0].layout.num_shards
     return num_shards > 1 or engine.topology.data_rank == 0
+
+
+def _span(spec: ShardSpec, start: int, stop: int) -> slice:
+    """Partition slice of parameter elements ``[start, stop)`` (``start`` owned by this rank)."""
+    return slice(spec.partition_offset, spec.partition_offset + (stop - start))
+
+
+def _shard_state_entries(kinds: StateLayout, state: dict[str, Any], master: torch.Tensor, spec: ShardSpec, start: int,
+                         end: int, name: str, copy: bool) -> list[TensorEntry]:
+    """This rank's per-parameter optimizer state of parameter elements ``[start, end)``."""
+    stop = element_stop(end, kinds.block_size)  # block-wise: up to the end of the last block
+    entries = [TensorEntry.of(fmt.state_key(key, name), _own(state[key][_span(spec, start, stop)], copy)) for key in kinds.element]
+    if kinds.block_size is not None:
+        first, last = block_range(spec.partition_offset, spec.partition_offset + (stop - start), kinds.block_size)
+        entries += [TensorEntry.of(fmt.state_key(key, name), _own(state[key][first:last], copy)) for key in kinds.block]
+        if end == spec.numel and stop > end:
+            # The padding in the parameter's last block (see partita.checkpoint.state_layout).
+            padding = master[_span(spec, start, stop)][end - start :]
+            entries.append(TensorEntry.of(fmt.master_padding_key(name), _own(padding, copy)))
+    return entries
 
 
 def capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bool) -> Snapshot:
@@ -160,20 +159,17 @@ def capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: boo
     if writes_shards(engine):
         for g, group in enumerate(optimizer.groups):
             state = inner.state.get(group.master, {})
-            partition, _, local = _classify_state(state, group.master)
+            kinds = classify_state(state, group.master)
             for param, spec, (start, end) in group.owned_slices():
                 if end <= start:
                     continue
-                lo, hi = spec.partition_offset, spec.partition_offset + (end - start)
                 name = names[param]
-                entries.append(TensorEntry.of(fmt.master_key(name), _own(group.master[lo:hi], copy)))
-                for key in partition:
-                    entries.append(TensorEntry.of(fmt.state_key(key, name), _own(state[key][lo:hi], copy)))
-            for key in local:
+                entries.append(TensorEntry.of(fmt.master_key(name), _own(group.master[_span(spec, start, end)], copy)))
+                entries += _shard_state_entries(kinds, state, group.master, spec, start, end, name, copy)
+            for key in kinds.local:
                 entries.append(TensorEntry.of(fmt.local_state_key(g, key), _own(state[key], copy)))
-            if local:
-                # With block-wise state, padding elements of the master take part in the update
-                # (they share blocks with parameters); keep the whole partition for an exact resume.
+            if kinds.local:
+                # Unknown state may involve the padding elements; keep the whole partition.
                 entries.append(TensorEntry.of(fmt.local_state_key(g, LOCAL_MASTER), _own(group.master, copy)))
     snapshot.files.append(FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)}))
     if rank != 0:
@@ -235,15 +231,18 @@ def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: 
     groups, params = [], {}
     for g, group in enumerate(optimizer.groups):
         state = inner.state.get(group.master, {})
-        partition, scalars, local = _classify_state(state, group.master)
+        kinds = classify_state(state, group.master)
         hyper = {k: v for k, v in inner.param_groups[g].items() if k != "params"}
         groups.append(
             {
                 "params": [names[p] for p in group.params],
                 "hyperparameters": encode(hyper, path=f"optimizer/group{g}/hyperparameters", sink=sink),
-                "partition_state": partition,
-                "scalar_state": encode(scalars, path=f"optimizer/group{g}/state", sink=sink),
-                "local_state": local,
+                "partition_state": list(kinds.element),
+                "block_state": list(kinds.block),
+                "block_size": kinds.block_size,
+                "state_dtypes": kinds.dtypes,
+                "scalar_state": encode(kinds.replicated, path=f"optimizer/group{g}/state", sink=sink),
+                "local_state": list(kinds.local),
                 "num_shards": group.layout.num_shards,
             }
         )

@@ -40,7 +40,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_SIZE", "EIGHT_BIT_CLASSES", "build_eight_bit_optimizer", "range_views", "load_bitsandbytes"]
+__all__ = [
+    "BLOCK_SIZE",
+    "CONSTANT_KEYS",
+    "EIGHT_BIT_CLASSES",
+    "PER_BLOCK_KEYS",
+    "PER_ELEMENT_KEYS",
+    "block_span",
+    "build_eight_bit_optimizer",
+    "is_block_wise",
+    "load_bitsandbytes",
+    "range_views",
+]
 
 BLOCK_SIZE = 256
 """Elements per quantisation block (fixed in bitsandbytes' block-wise 8-bit kernels)."""
@@ -55,8 +66,22 @@ EIGHT_BIT_CLASSES: dict[str, str] = {
     "PagedLion8bit": "PagedLion8bit",
 }
 
-_PER_ELEMENT = ("state1", "state2")
-_PER_BLOCK = ("absmax1", "absmax2")
+PER_ELEMENT_KEYS = ("state1", "state2")
+"""State keys with one uint8 code per partition element."""
+PER_BLOCK_KEYS = ("absmax1", "absmax2")
+"""State keys with one float32 scale per block of :data:`BLOCK_SIZE` partition elements."""
+CONSTANT_KEYS = ("qmap1", "qmap2")
+"""State keys of the code tables: the same 256 values on every rank and every step."""
+
+
+def is_block_wise(state: dict[str, Any]) -> bool:
+    """Whether ``state`` (one tensor's optimizer state) is bitsandbytes' block-wise 8-bit state."""
+    return any(key in state for key in PER_BLOCK_KEYS)
+
+
+def block_span(start: int, end: int) -> tuple[int, int]:
+    """Blocks ``[first, last)`` holding elements ``[start, end)`` (``start`` block-aligned)."""
+    return start // BLOCK_SIZE, math.ceil(end / BLOCK_SIZE)
 
 
 def load_bitsandbytes(kind: str) -> ModuleType:
@@ -97,9 +122,10 @@ def range_views(state: dict[str, Any], start: int, end: int) -> list[torch.Tenso
 
     ``start`` and ``end`` must be multiples of :data:`BLOCK_SIZE` (``end`` may also be
     the end of the partition): a parameter's slice of a block-aligned layout. Used to
-    keep or restore one parameter's state (and to re-cut it for a checkpoint).
+    keep or restore one parameter's state (checkpoints cut it the same way, see
+    :mod:`partita.checkpoint.state_layout`).
     """
-    numel = next((state[k].numel() for k in _PER_ELEMENT if k in state), None)
+    numel = next((state[k].numel() for k in PER_ELEMENT_KEYS if k in state), None)
     if numel is None:
         return []
     if start % BLOCK_SIZE or (end % BLOCK_SIZE and end != numel) or not 0 <= start <= end <= numel:
@@ -107,7 +133,7 @@ def range_views(state: dict[str, Any], start: int, end: int) -> list[torch.Tenso
             f"range [{start}, {end}) of a {numel}-element partition is not block-aligned (blocks of "
             f"{BLOCK_SIZE}); build the ZeRO layout with alignment={BLOCK_SIZE} for 8-bit optimizers"
         )
-    views = [state[k][start:end] for k in _PER_ELEMENT if k in state]
-    first, last = start // BLOCK_SIZE, math.ceil(end / BLOCK_SIZE)
-    views += [state[k][first:last] for k in _PER_BLOCK if k in state]
+    views = [state[k][start:end] for k in PER_ELEMENT_KEYS if k in state]
+    first, last = block_span(start, end)
+    views += [state[k][first:last] for k in PER_BLOCK_KEYS if k in state]
     return views
