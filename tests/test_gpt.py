@@ -131,6 +131,10 @@ def test_presets_match_their_published_shapes():
     with torch.device("meta"):  # no memory: only shapes
         assert GPT(big).num_parameters() == 1_315_819_520  # "1.3 B"
         assert GPT(GPTConfig.gpt2_124m()).num_parameters() == 124_475_904  # "124 M"
+        assert GPT(GPTConfig.gpt_125m()).num_parameters() == 125_262_336  # 124 M + 1024 more positions
+        assert GPT(GPTConfig.gpt_7b()).num_parameters() == 6_658_596_864  # "~7 B" (tied embedding)
+        scaled = GPTConfig.gpt_scaled(4, 512)
+        assert (scaled.n_head, scaled.block_size, GPT(scaled).num_parameters()) == (4, 2048, 39_414_784)
 
 
 def test_optimizer_param_groups_cover_each_trainable_parameter_once():

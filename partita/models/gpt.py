@@ -64,6 +64,22 @@ class GPTConfig:
         """The 1.3 B-parameter reference model of the GPU benchmarks (docs/performance.md)."""
         return cls(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
 
+    @classmethod
+    def gpt_125m(cls) -> GPTConfig:
+        """The small variant of the GPU benchmark suite: GPT-2 small's shape at sequence 2048."""
+        return cls(vocab_size=50304, block_size=2048, n_layer=12, n_head=12, n_embd=768)
+
+    @classmethod
+    def gpt_7b(cls) -> GPTConfig:
+        """The large variant of the GPU benchmark suite (~6.9 B parameters, LLaMA-7B's width and depth)."""
+        return cls(vocab_size=50304, block_size=2048, n_layer=32, n_head=32, n_embd=4096)
+
+    @classmethod
+    def gpt_scaled(cls, n_layer: int, n_embd: int, *, n_head: int | None = None, block_size: int = 2048) -> GPTConfig:
+        """A GPT of the benchmarks' family with a chosen depth and width (head size 128 unless
+        ``n_head`` is given): for "largest model that fits" searches."""
+        return cls(vocab_size=50304, block_size=block_size, n_layer=n_layer, n_head=n_head or max(1, n_embd // 128), n_embd=n_embd)
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``scaled_dot_product_attention``, which picks a
