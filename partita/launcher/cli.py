@@ -4,7 +4,8 @@
 the node layout from flags, a DeepSpeed hostfile or the SLURM allocation, then hands
 process management, restarts and failure reporting to torch.distributed.elastic, which
 already does them well. ``partita env`` prints the environment report; ``partita plot``
-charts logged runs (:mod:`partita.monitor.plot`).
+charts logged runs (:mod:`partita.monitor.plot`); ``partita estimate`` predicts per-rank
+memory (:mod:`partita.estimate`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ layouts (strongest first):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partita", description="partita distributed training tools")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint,estimate}")
 
     run = commands.add_parser(
         "run", help="launch a training script on every local GPU (or CPU) through torchrun",
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from partita.checkpoint.cli import add_checkpoint_parser  # import-light: no torch
 
     add_checkpoint_parser(commands)
+    from partita.estimate.cli import add_estimate_parser  # import-light: no torch
+
+    add_estimate_parser(commands)
     return parser
 
 
@@ -146,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from partita.checkpoint.cli import run_checkpoint_command
 
         return run_checkpoint_command(args)
+    if args.command == "estimate":
+        from partita.estimate.cli import run_estimate_command
+
+        return run_estimate_command(args)
     return _run(args)
 
 

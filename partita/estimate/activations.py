@@ -1,0 +1,152 @@
+"""Activation memory of partita's reference GPT (partita/models/gpt.py) for one micro-batch.
+
+What is counted: the tensors autograd keeps from the forward for the backward (each storage
+once), plus the logits the model returns (the training loop holds them until backward),
+plus two transients of the backward. The model runs in the compute dtype (partita casts the
+model; no autocast), so activations are ``d`` bytes per element (4 fp32, 2 bf16/fp16).
+Symbols: ``b`` micro-batch, ``s`` sequence length, ``h`` d_model, ``a`` heads, ``V``
+vocabulary, ``L`` layers.
+
+Per block, without checkpointing (Korthikanti et al. 2022 count ``34sbh + 5as^2b`` bytes in
+16-bit with dropout masks; for this model it is ``32sbh`` plus small fp32 terms):
+
+==========================================  ==============
+saved for backward                          elements (d B)
+==========================================  ==============
+block input ``x`` (ln_1 input)              ``bsh``
+ln_1 output (qkv input)                     ``bsh``
+qkv output; q, k, v are views of it (SDPA)  ``3bsh``
+SDPA output (also proj's input, see below)  ``bsh``
+residual after attention (ln_2 input)       ``bsh``
+ln_2 output (fc input)                      ``bsh``
+fc output (GELU input)                      ``4bsh``
+GELU output (mlp proj input)                ``4bsh``
+==========================================  ==============
+
+= ``16bsh`` elements (``32bsh`` bytes in bf16), plus fp32 LayerNorm mean and rstd (``2 x 2 x
+bs x 4`` bytes on CUDA) and the fp32 log-sum-exp of attention (``bas x 4``). The attention
+kernels write their output in ``(b, s, heads, head_dim)`` memory order, so the model's
+``transpose(1, 2).contiguous()`` is a no-op and the projection saves the SDPA output's own
+storage (measured: one ``bsh`` tensor, not two). There is no
+``5as^2b`` term: ``F.scaled_dot_product_attention`` runs a flash / memory-efficient kernel
+that recomputes the attention matrix in backward. With dropout > 0 each block adds two
+1-byte masks (after attention and after the MLP, ``2bsh`` bytes) and attention dropout is
+replayed from the RNG state (flash kernels; CPU falls back to a math kernel that stores
+``s^2``, which this formula does not describe). The residual adds save nothing.
+
+Checkpointing (partita.activation_checkpointing): a checkpointed block keeps its input
+(``bsh``); ``selective`` also keeps the outputs of the matmuls and of attention (qkv
+``3bsh``, SDPA output ``bsh`` + log-sum-exp, both projections ``2bsh``, fc ``4bsh``; SDPA is
+recomputed when its dropout is on) = ``11bsh``; ``every_k:K`` checkpoints ``L // K``
+blocks. In backward one checkpointed block at a time is recomputed in full.
+
+Around the blocks: token ids and targets (int64, ``2bs x 8``) and positions (``s x 8``);
+final LayerNorm input and output (``2bsh``) + stats; the fp32 log-probabilities of the loss
+(``bsV x 4``; ``logits.float()`` saves nothing). The logits returned to the caller add
+``bsV x d``. At the start of backward the gradients of the log-probabilities and of the
+fp32 logits (``2 x bsV x 4``) exist together with everything above.
+
+Validated against saved-tensor bytes measured on CPU in tests/test_estimate.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.estimate.inputs import EstimateError, GPTShape, Setup
+from partita.estimate.result import BACKWARD, END_BACKWARD, START_BACKWARD, Line
+
+__all__ = ["GPTActivations", "gpt_activations", "gpt_activation_lines", "SAVED_KINDS"]
+
+_SAVED = frozenset({START_BACKWARD, BACKWARD})
+SAVED_KINDS = ("block_activations", "embeddings", "head")
+"""Line kinds that are tensors saved for backward (what saved-tensor hooks measure)."""
+
+
+@dataclass(frozen=True)
+class GPTActivations:
+    """Bytes per piece for one micro-batch (the module docstring says what each counts).
+
+    ``blocks[j]``: what block ``j`` keeps through the forward under the checkpointing
+    policy; ``recompute[j]``: what its recomputation adds in backward (0 when not
+    checkpointed); ``offloaded[j]``: the part of ``blocks[j]`` kept in CPU memory.
+    """
+
+    blocks: tuple[int, ...]
+    recompute: tuple[int, ...]
+    offloaded: tuple[int, ...]
+    block_full: int
+    embeddings: int
+    final_norm: int
+    log_probs: int
+    logits: int
+    loss_grads: int
+
+    @property
+    def head(self) -> int:
+        """Freed by the backward of the loss, the LM head and the final LayerNorm."""
+        return self.final_norm + self.log_probs
+
+
+def gpt_activations(shape: GPTShape, setup: Setup) -> GPTActivations:
+    """The activation pieces of partita's GPT for ``setup`` (micro-batch, seq_len, dtype, policy)."""
+    if setup.seq_len is not None and setup.seq_len > shape.seq_len:
+        raise EstimateError(
+            f"seq_len {setup.seq_len} is longer than the GPT's seq_len (block size) {shape.seq_len}; "
+            f"the model cannot run it: raise the shape's seq_len or lower the training seq_len"
+        )
+    b, s = setup.micro_batch, setup.seq_len or shape.seq_len
+    h, a, v, d = shape.d_model, shape.n_heads, shape.vocab, setup.dtype_bytes
+    dropout = shape.dropout > 0.0
+    bsh = b * s * h
+    ln_stats = 2 * b * s * 4  # mean + rstd, fp32
+    lse = b * a * s * 4
+    full = 16 * bsh * d + 2 * ln_stats + lse + (2 * bsh if dropout else 0)
+    block_input = bsh * d
+    # Selective: input + qkv (3) + both projections (2) + fc (4) [+ SDPA output (1) and its
+    # log-sum-exp, unless attention dropout makes SDPA random and hence recomputed].
+    selective = 10 * bsh * d + (0 if dropout else bsh * d + lse)
+    policy, k = setup.checkpointing.policy, setup.checkpointing.k
+    blocks, recompute, offloaded = [], [], []
+    for j in range(shape.n_layers):
+        checkpointed = policy in ("every", "selective") or (policy == "every_k" and (j + 1) % k == 0)
+        kept = selective if policy == "selective" else block_input
+        blocks.append(kept if checkpointed else full)
+        # Recompute rebuilds the block in full; with CPU checkpointing its input comes back too.
+        recompute.append(full - kept + (block_input if setup.cpu_checkpointing else 0) if checkpointed else 0)
+        offloaded.append(block_input if checkpointed and setup.cpu_checkpointing else 0)
+    return GPTActivations(
+        blocks=tuple(blocks), recompute=tuple(recompute), offloaded=tuple(offloaded), block_full=full,
+        embeddings=2 * b * s * 8 + s * 8 + (bsh if dropout else 0),
+        final_norm=2 * bsh * d + ln_stats,
+        log_probs=b * s * v * 4,
+        logits=b * s * v * d,
+        loss_grads=2 * b * s * v * 4,
+    )
+
+
+def gpt_activation_lines(shape: GPTShape, setup: Setup) -> list[Line]:
+    """Activation lines (accelerator, or CPU for offloaded checkpoint inputs) of one micro-batch."""
+    c = gpt_activations(shape, setup)
+    layers = shape.n_layers
+    checkpointed = sum(1 for r in c.recompute if r)
+    policy = "" if not checkpointed else f", {checkpointed} checkpointed ({setup.checkpointing})"
+    on_device = sum(c.blocks) - sum(c.offloaded)
+    lines = [Line("activations", f"{layers} blocks{policy}", "accelerator", on_device, _SAVED, exact=False,
+                  kind="block_activations")]
+    if sum(c.offloaded):
+        lines.append(Line("activations", "checkpointed block inputs (cpu_checkpointing)", "cpu", sum(c.offloaded),
+                          _SAVED, exact=False, kind="block_activations"))
+    if checkpointed:
+        lines.append(Line("activations", "one block recomputed in backward", "accelerator", max(c.recompute),
+                          frozenset({BACKWARD}), exact=False, kind="recompute"))
+    return lines + [
+        Line("activations", "token ids, targets, positions, embedding", "accelerator", c.embeddings, _SAVED,
+             exact=False, kind="embeddings"),
+        Line("activations", "final LayerNorm + fp32 log-probabilities (loss)", "accelerator", c.head, _SAVED,
+             exact=False, kind="head"),
+        Line("activations", f"{setup.dtype} logits returned to the caller", "accelerator", c.logits,
+             frozenset({START_BACKWARD, BACKWARD, END_BACKWARD}), exact=False, kind="logits"),
+        Line("activations", "cross-entropy gradients, fp32", "accelerator", c.loss_grads,
+             frozenset({START_BACKWARD}), exact=False, kind="loss_grads"),
+    ]

@@ -1,0 +1,238 @@
+"""Parameters, gradients and optimizer states per rank, byte for byte as partita allocates them.
+
+Nothing here is a textbook ``2 + 2 + 12 bytes per parameter`` rule; every figure follows the
+code that allocates the tensors:
+
+- groups and layout (:mod:`partita.estimate.groups`, reusing ``ShardLayout``): per optimizer
+  group (two with offload ratio < 1), parameters in reverse registration order, each
+  flattened and padded to a multiple of ``num_shards * alignment``; a rank's partition holds
+  ``partition_numel`` elements (its shard of every parameter). ``num_shards`` is the world
+  size at stages 1-3 and 1 at stage 0; ``alignment`` is 256 for 8-bit optimizers.
+- fp32 master (``shard_group.py``): one fp32 tensor of ``partition_numel`` per group. With
+  fp32 training and one shard (stage 0, or one rank) below stage 3 the parameters become
+  views of it (no second copy); at stage 3 in fp32 the gatherer's "16-bit" shards are
+  ``master.to(fp32)``, i.e. the master itself.
+- gradients: the fp32 gradient partition (``ShardedParamGroup.grad_partition``,
+  ``partition_numel`` fp32 per group) exists from the first retired reduce bucket in
+  backward (world size 1: the end of backward) until the optimizer step.
+  Full-size ``param.grad`` in the model dtype is held across micro-batches at stages 0/1,
+  and at world size 1 (every stage) until the end of backward, which folds it into the
+  partition (``reducer.py``). ``data_types.grad_accum_dtype: fp32`` at stages 0/1 sums
+  micro-batches in a full-size fp32 tensor per parameter instead.
+- optimizer states (``partita/optim``): torch Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
+  shaped like the master (8 bytes per partition element, 12 with amsgrad) and a 4-byte fp32
+  ``step`` tensor per group; SGD a ``momentum_buffer`` (4 bytes) only when momentum > 0;
+  Lion ``exp_avg`` (4 bytes); bitsandbytes 8-bit: uint8 codes per element (2 states for
+  Adam, 1 for Lion), an fp32 scale per 256-element block per state, and 256-entry fp32 code
+  tables shared by the whole optimizer.
+- ZeRO-3 (``param_gatherer.py``): each rank keeps its model-dtype shard (``partition_numel``
+  per group); parameters with at most ``stage3_param_persistence_threshold`` elements also
+  stay whole on every rank; the others' storage is freed between uses.
+
+Offload (``zero_optimization.offload_optimizer``, ``partita/offload``): an offloaded group's
+fp32 master, fp32 gradient partition and optimizer states live in host memory ("cpu"); with
+"nvme" the states shaped like the master go to swap files (one per state and sub-group of
+``sub_group_size`` elements, rounded up to ``aio.block_size``) and host memory holds
+``buffer_count`` state buffers instead (partita keeps master and gradients in host memory).
+Gradients and weights cross through ``buffer_count`` pinned staging buffers of
+``STAGING_BYTES``. ``delayed_param_update`` holds a second gradient partition (the previous
+step's, read by the background step). At stage 3 an offloaded group's shards follow its
+master to the host (``master.to(dtype)`` keeps the device).
+"""
+
+from __future__ import annotations
+
+import math
+
+from partita.estimate.groups import ZeroGroup, alignment_of, zero_groups
+from partita.estimate.inputs import Setup
+from partita.estimate.model_info import ModelInfo
+from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, WRITE_BACK, Line
+from partita.offload.buffer_pool import BUFFER_ALIGNMENT
+from partita.optim.eight_bit import BLOCK_SIZE
+
+__all__ = [
+    "fp32_sums_active",
+    "holds_grads_across_micro_batches",
+    "model_state_lines",
+    "optimizer_state_bytes",
+    "swapped_state_count",
+]
+
+_CODE_TABLE_BYTES = 256 * 4  # one bitsandbytes quantisation map: 256 fp32 entries
+
+
+def swapped_state_count(setup: Setup) -> int:
+    """Optimizer state tensors shaped like the master (what NVMe offload swaps)."""
+    if setup.optimizer in ("Adam", "AdamW"):
+        return 3 if setup.amsgrad else 2
+    if setup.optimizer == "SGD":
+        return 1 if setup.sgd_momentum else 0
+    return 1  # Lion
+
+
+def optimizer_state_bytes(setup: Setup, partition_numel: int) -> tuple[int, str]:
+    """Bytes of the inner optimizer's state for one group's master partition, and what they are
+    (8-bit code tables, shared by all groups, are not included: see :func:`model_state_lines`)."""
+    kind = setup.optimizer
+    if kind in ("Adam", "AdamW"):
+        what = "exp_avg + exp_avg_sq" + (" + max_exp_avg_sq" if setup.amsgrad else "") + " fp32, step"
+        return 4 * swapped_state_count(setup) * partition_numel + 4, what
+    if kind == "SGD":
+        if setup.sgd_momentum == 0.0:
+            return 0, "none (SGD without momentum keeps no state)"
+        return 4 * partition_numel, "momentum_buffer fp32"
+    if kind == "Lion":
+        return 4 * partition_numel, "exp_avg fp32"
+    states = 1 if "Lion" in kind else 2
+    blocks = math.ceil(partition_numel / BLOCK_SIZE)
+    return states * (partition_numel + 4 * blocks), f"{states} x uint8 codes + fp32 block scales"
+
+
+def fp32_sums_active(setup: Setup) -> bool:
+    """data_types.grad_accum_dtype fp32 at stages 0/1: micro-batches summed in full-size fp32 tensors."""
+    return (
+        setup.grad_accum_dtype == "fp32" and setup.dtype != "fp32" and setup.stage <= 1
+        and setup.gradient_accumulation_steps > 1
+    )
+
+
+def holds_grads_across_micro_batches(setup: Setup) -> bool:
+    """Stages 0/1 reduce only at the accumulation boundary: param.grad lives through the next forward."""
+    return setup.stage <= 1 and setup.gradient_accumulation_steps > 1 and not fp32_sums_active(setup)
+
+
+def _ranges(numel: int, size: int) -> list[int]:
+    """Sizes of the sub-groups a master partition is stepped in (nvme_optimizer._cut)."""
+    return [min(size, numel - lo) for lo in range(0, numel, size)]
+
+
+def _sum(groups: list[ZeroGroup], fn) -> int:
+    return sum(fn(g) for g in groups)
+
+
+def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
+    """Per-rank bytes of parameters, gradients and optimizer states for ``setup``."""
+    groups = zero_groups(info, setup)
+    device_groups = [g for g in groups if not g.offloaded]
+    host_groups = [g for g in groups if g.offloaded]
+    d = setup.dtype_bytes
+    trainable = info.trainable_numel
+    lines: list[Line] = []
+    # Offload is checked against the engine (tests/test_estimate.py): host tensors, pinned
+    # pools and swap files. offload_param is not in the engine yet (its lines are estimates).
+    host_exact = setup.offload_param == "none"
+
+    def partition(gs: list[ZeroGroup]) -> int:
+        return _sum(gs, lambda g: g.partition_numel)
+
+    # ---------------------------------------------------------------- parameters
+    # A stage-3 shard is ``master.to(model dtype)``: on the master's device, and the master
+    # itself in fp32 (offload_param, not in the engine yet, would move shards to the host).
+    shard_is_master = setup.stage == 3 and setup.dtype == "fp32" and setup.offload_param == "none"
+    if setup.stage < 3:
+        aliased = [g for g in groups if g.aliases_params]
+        plain = [g for g in groups if not g.aliases_params]
+        if aliased:
+            lines.append(Line("parameters", "fp32 parameters (views of the fp32 master: one copy)", "accelerator",
+                              4 * partition(aliased)))
+        if plain:
+            lines.append(Line("parameters", f"{setup.dtype} parameters", "accelerator",
+                              d * _sum(plain, lambda g: sum(p.numel for p in g.params))))
+    else:
+        what = "fp32 parameter shards (the fp32 master itself: one copy)" if shard_is_master else \
+            f"{setup.dtype} parameter shards (stage 3)"
+        if setup.offload_param != "none":
+            lines.append(Line("parameters", what, setup.offload_param, d * partition(groups), exact=False,
+                              note="offload_param"))
+        else:
+            if device_groups:
+                lines.append(Line("parameters", what, "accelerator", d * partition(device_groups)))
+            if host_groups:
+                lines.append(Line("parameters", what + " of offloaded groups", "cpu", d * partition(host_groups),
+                                  exact=host_exact, note="shards follow their host master"))
+        if setup.offload_param == "nvme":
+            lines.append(Line("buffers", "pinned parameter swap buffers (offload_param nvme)", "cpu",
+                              setup.param_buffer_count * setup.param_buffer_size * d, exact=False,
+                              note="buffer_count x buffer_size elements"))
+        persistent = sum(p.numel for p in info.params() if p.numel <= setup.stage3_param_persistence_threshold)
+        lines.append(Line(
+            "parameters", f"persistent parameters (<= {setup.stage3_param_persistence_threshold:,} elements, whole)",
+            "accelerator", d * persistent,
+        ))
+    if info.frozen_numel:
+        lines.append(Line("parameters", "frozen parameters", "accelerator", d * info.frozen_numel))
+    if info.float_buffer_numel or info.other_buffer_bytes:
+        lines.append(Line("parameters", "module buffers", "accelerator",
+                          d * info.float_buffer_numel + info.other_buffer_bytes))
+
+    # ---------------------------------------------------------------- gradients
+    # At world size 1 nothing is reduced during backward: the partition appears when
+    # finish_backward folds param.grad into it. Else from the first retired bucket on.
+    partition_phases = frozenset({END_BACKWARD, STEP} | ({BACKWARD} if setup.world_size > 1 else set()))
+    if device_groups:
+        lines.append(Line("gradients", "fp32 gradient partition", "accelerator", 4 * partition(device_groups),
+                          partition_phases, kind="grad_partition"))
+    if host_groups:
+        lines.append(Line("gradients", "fp32 gradient partition (offloaded)", "cpu", 4 * partition(host_groups),
+                          partition_phases, exact=host_exact))
+        if setup.delayed_param_update:
+            # The background step still reads the previous step's partition while the next
+            # micro-batches fill a fresh one (ShardedOptimizer.step hands the old one over).
+            lines.append(Line("gradients", "previous step's fp32 gradient partition (delayed update)", "cpu",
+                              4 * partition(host_groups), ALWAYS - {WRITE_BACK}, exact=False))
+    held = holds_grads_across_micro_batches(setup)
+    if setup.world_size == 1 or held:
+        phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())
+        why = "held across micro-batches" if held else "kept until the end of backward (one rank)"
+        lines.append(Line("gradients", f"full-size {setup.dtype} gradients (param.grad)", "accelerator", d * trainable,
+                          frozenset(phases), note=why, kind="full_grads"))
+    if fp32_sums_active(setup):
+        phases = {START_BACKWARD, BACKWARD} | ({END_BACKWARD} if setup.world_size == 1 else set())
+        lines.append(Line("gradients", "fp32 micro-batch gradient sums (grad_accum_dtype fp32)", "accelerator",
+                          4 * trainable, frozenset(phases), kind="fp32_sums"))
+
+    # ---------------------------------------------------------------- optimizer states
+    has_master = [g for g in groups if not g.aliases_params and not shard_is_master]
+    if [g for g in has_master if not g.offloaded] or not groups:
+        lines.append(Line("optimizer states", "fp32 master weights", "accelerator",
+                          4 * partition([g for g in has_master if not g.offloaded])))
+    if [g for g in has_master if g.offloaded]:
+        lines.append(Line("optimizer states", "fp32 master weights (offloaded)", "cpu",
+                          4 * partition([g for g in has_master if g.offloaded]), exact=host_exact))
+    _, what = optimizer_state_bytes(setup, 0)
+    tables = (1 if "Lion" in setup.optimizer else 2) * _CODE_TABLE_BYTES if alignment_of(setup) > 1 else 0
+    if device_groups or not host_groups:
+        state = _sum(device_groups, lambda g: optimizer_state_bytes(setup, g.partition_numel)[0]) + tables
+        lines.append(Line("optimizer states", f"{setup.optimizer} states: {what}", "accelerator", state))
+        tables = 0  # bitsandbytes shares one set of code tables across all groups
+    if host_groups and setup.offload_optimizer == "cpu":
+        state = _sum(host_groups, lambda g: optimizer_state_bytes(setup, g.partition_numel)[0]) + tables
+        lines.append(Line("optimizer states", f"{setup.optimizer} states (offloaded): {what}", "cpu", state))
+    if host_groups and setup.offload_optimizer == "nvme":
+        # nvme_optimizer: one swap file per state and sub-group, rounded up to aio.block_size.
+        block = setup.aio_block_size
+        files = [math.ceil(4 * n / block) * block for g in host_groups
+                 for n in _ranges(g.partition_numel, setup.sub_group_size)] * swapped_state_count(setup)
+        lines.append(Line("optimizer states", f"{setup.optimizer} states (swap files): {what}", "nvme", sum(files),
+                          exact=host_exact, note="one file per state and sub-group"))
+        widest = max(min(setup.sub_group_size, g.partition_numel) for g in host_groups)
+        lines.append(Line("buffers", "NVMe state buffers (fp32, pinned)", "cpu",
+                          setup.optimizer_buffer_count * (4 * widest + BUFFER_ALIGNMENT),
+                          note="buffer_count x min(sub_group_size, partition) elements"))
+    if setup.optimizer == "Lion":
+        # partita's foreach Lion builds the update direction in a temporary the size of the partition.
+        lines.append(Line("buffers", "Lion update temporary (fp32 partition)", "accelerator",
+                          4 * partition(device_groups), frozenset({STEP}), exact=False))
+
+    # ---------------------------------------------------------------- offload staging
+    if setup.offload_optimizer != "none":
+        # partita.offload.buffer_pool: buffer_count buffers, each over-allocated by one page
+        # so that it can start on a 4096-byte boundary (O_DIRECT).
+        lines.append(Line(
+            "buffers", "pinned staging buffers (offload_optimizer)", "cpu",
+            setup.optimizer_buffer_count * (setup.staging_bytes + BUFFER_ALIGNMENT),
+            note=f"buffer_count x {setup.staging_bytes:,} B (STAGING_BYTES)",
+        ))
+    # Zero-byte lines say nothing, except that an optimizer keeps no state (SGD without momentum).
+    return [line for line in lines if line.nbytes or line.category in ("parameters", "optimizer states")]
