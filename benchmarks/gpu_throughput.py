@@ -5,6 +5,14 @@ Each engine runs in its own torchrun job (fresh process, fresh CUDA memory), on 
 model, data and optimizer settings: bf16, AdamW (torch's fused kernel for every engine),
 gradient clipping 1.0, micro-batch 8, no gradient accumulation.
 
+"-off" offloads the optimizer to CPU memory ("partita2-off", "deepspeed2-off"); "-offd" adds
+partita's one-step-delayed update ("partita2-offd").
+
+A trailing "c" compiles each transformer block with torch.compile (inductor): "partita2c" /
+"partita3c" through partita's "compile" config section, "torchc" and "fsdp2c" by wrapping each
+block in torch.compile before DDP / fully_shard (torchtitan's recipe). Compilation happens in the
+warm-up steps, outside the timed region.
+
     python benchmarks/gpu_throughput.py --model gpt_1_3b --nproc 1 \
         --engines torch,fsdp2,partita0,partita1,partita2,deepspeed1,deepspeed2 --json results.json
 
@@ -53,7 +61,23 @@ def _worker(args: argparse.Namespace) -> None:
     }
     adamw = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
-    if engine_name == "torch":
+    # "-off": optimizer states offloaded to CPU memory; "-offd": with partita's delayed update.
+    engine_name, marker, offload_flag = engine_name.partition("-off")
+    if offload_flag not in ("", "d"):
+        raise SystemExit(f"unknown offload suffix -off{offload_flag} (use -off or -offd)")
+    offload = ("delayed" if offload_flag == "d" else "cpu") if marker else None
+    compiled = engine_name.endswith("c")  # "torchc", "fsdp2c", "partita3c": torch.compile per block
+    base_name = engine_name[:-1] if compiled else engine_name
+
+    def compile_blocks_in_place() -> None:
+        # Plain torch / FSDP2: each block becomes its own compiled region; hooks added afterwards
+        # (fully_shard's) sit on the wrapper, outside the compiled code.
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = torch.compile(block)
+
+    if base_name == "torch":
+        if compiled:
+            compile_blocks_in_place()
         dist.init_process_group("nccl")
         opt = torch.optim.AdamW(model.parameters(), fused=True, **{**adamw, "betas": tuple(adamw["betas"])})
         # One GPU: plain torch. Several: DDP, the plain-torch way to data-parallel.
@@ -69,9 +93,11 @@ def _worker(args: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-    elif engine_name == "fsdp2":
+    elif base_name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if compiled:
+            compile_blocks_in_place()
         dist.init_process_group("nccl")
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
@@ -86,12 +112,17 @@ def _worker(args: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-    elif engine_name.startswith("partita"):
+    elif base_name.startswith("partita"):
         import partita
 
         cfg = {**base_cfg, "optimizer": {"type": "AdamW", "params": adamw},
-               "zero_optimization": {"stage": int(engine_name[-1]), "reduce_bucket_size": args.bucket,
+               "zero_optimization": {"stage": int(base_name[-1]), "reduce_bucket_size": args.bucket,
                                      "allgather_bucket_size": args.bucket}}
+        if compiled:
+            cfg["compile"] = {"enabled": True, "backend": "inductor"}
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {
+                "device": "cpu", "pin_memory": True, "delayed_param_update": offload == "delayed"}
         engine, _, _, _ = partita.initialize(model=model, config=cfg)
 
         def train_step(x, y):
@@ -99,13 +130,17 @@ def _worker(args: argparse.Namespace) -> None:
             engine.backward(loss)
             engine.step()
             return loss
-    elif engine_name.startswith("deepspeed"):
+    elif engine_name.startswith("deepspeed") and not compiled:
         import deepspeed
 
         deepspeed.init_distributed("nccl")
         cfg = {**base_cfg, "optimizer": {"type": "AdamW", "params": {**adamw, "torch_adam": True, "fused": True}},
                "zero_optimization": {"stage": int(engine_name[-1]), "reduce_bucket_size": args.bucket,
                                      "allgather_bucket_size": args.bucket, "overlap_comm": True}}
+        if offload:
+            # DeepSpeed's offload steps with its own AVX CPU Adam (JIT-built), not torch's.
+            cfg["optimizer"]["params"] = dict(adamw)
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
         def train_step(x, y):
@@ -136,7 +171,7 @@ def _worker(args: argparse.Namespace) -> None:
         tokens = args.steps * micro * seq * world
         tps = tokens / elapsed
         result = {
-            "engine": engine_name, "model": args.model, "world": world, "micro_batch": micro, "seq": seq,
+            "engine": args.engine, "model": args.model, "world": world, "micro_batch": micro, "seq": seq,
             "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world, "step_ms": 1000 * elapsed / args.steps,
             "mfu": tps / world * flops_per_token / (PEAK_TFLOPS * 1e12), "peak_gib": float(peak),
             "final_loss": float(loss), "params": num_params,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.activation_checkpointing.apply import apply_config as apply_activation_checkpointing_config
+from partita.compile.apply import apply_config as apply_compile_config
 from partita.config import PartitaConfig, load_config, resolve_batch_sizes
 from partita.data.sampler import ResumableDistributedSampler
 from partita.distributed import collectives
@@ -117,6 +118,9 @@ def initialize(
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
     )
+    # After checkpointing (a checkpointed block compiles inside its checkpoint); before ZeRO only to
+    # fail fast: compiled regions are block forwards, so ZeRO-3's hooks stay eager either way.
+    apply_compile_config(model, cfg.compile, zero_stage=cfg.zero_optimization.stage)
 
     zero = apply_zero(
         model,
@@ -124,12 +128,16 @@ def initialize(
         config=cfg.zero_optimization,
         topology=topology,
         gradient_clipping=cfg.gradient_clipping,
-        build_inner_optimizer=_inner_optimizer_factory(optimizer, cfg, device.type),
+        # Offloaded masters step on the host, with its fused kernel where torch has one.
+        build_inner_optimizer=_inner_optimizer_factory(
+            optimizer, cfg, "cpu" if cfg.zero_optimization.offload_optimizer.enabled else device.type
+        ),
         # 8-bit optimizers quantise blocks of the partition: shards must be whole blocks.
         alignment=required_alignment(cfg.optimizer if optimizer is None else None),
         comm_dtype=_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         predivide_factor=cfg.gradient_predivide_factor,
         accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
+        aio=cfg.aio,
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
@@ -244,6 +252,16 @@ def _build_scheduler(lr_scheduler: Any, cfg: PartitaConfig, inner: torch.optim.O
     if lr_scheduler is None:
         return build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
     if hasattr(lr_scheduler, "step") and not isinstance(lr_scheduler, type):
+        base_lrs = getattr(lr_scheduler, "base_lrs", None)
+        if base_lrs is not None and len(base_lrs) != len(inner.param_groups):
+            # offload_optimizer.ratio < 1 cuts each group in two; a scheduler built before
+            # initialize() would silently schedule only some of them.
+            raise ValueError(
+                f"the lr_scheduler passed to initialize() schedules {len(base_lrs)} param groups, but the optimizer "
+                f"has {len(inner.param_groups)} after ZeRO (offload_optimizer.ratio < 1 splits each group into an "
+                "offloaded and an on-device part); pass the scheduler as a callable, lr_scheduler=lambda opt: "
+                "YourScheduler(opt, ...), or use the config's \"scheduler\" section"
+            )
         return lr_scheduler
     if callable(lr_scheduler):
         return lr_scheduler(inner)

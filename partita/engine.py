@@ -105,7 +105,17 @@ class Engine:
         return self
 
     def eval(self) -> Engine:
+        self.finish_pending_step()  # evaluate the newest weights, not those of one update ago
         return self.train(False)
+
+    def finish_pending_step(self) -> None:
+        """Put a delayed update (``offload_optimizer.delayed_param_update``) into the model now.
+
+        Every rank must call it (it all-gathers the new weights). Checkpoints, exports and
+        ``eval()`` call it themselves; call it after the last ``step()`` before reading the
+        model's weights directly. A no-op without a delayed update.
+        """
+        self.optimizer.finish_pending_step()
 
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
@@ -172,16 +182,16 @@ class Engine:
         if not boundary:
             return
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # The LR scheduler steps once the update is in the weights: at once, or, with a
+        # delayed update, when it lands (so the update never reads the next step's rate).
+        after = self.lr_scheduler.step if self.lr_scheduler is not None else None
         with self._step_log.timer("step"):
-            result = self.optimizer.step(loss_scale=scale, received=self.zero.reducer.take_received())
+            result = self.optimizer.step(loss_scale=scale, received=self.zero.reducer.take_received(), after=after)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not result.applied)
         self._global_grad_norm = result.grad_norm
         self._step_applied = result.applied
-        if result.applied:
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        else:
+        if not result.applied:
             self.skipped_steps += 1
             if self.loss_scaler is None:
                 logger.warning(
@@ -218,6 +228,7 @@ class Engine:
         background. ``save_dir`` defaults to config ``checkpoint.save_dir``."""
         from partita.checkpoint.save import save_checkpoint
 
+        self.finish_pending_step()
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(
@@ -234,6 +245,7 @@ class Engine:
         Returns ``(path, client_state)``, or ``(None, None)`` when the directory has none."""
         from partita.checkpoint.load import load_checkpoint
 
+        self.finish_pending_step()
         path, client_state = load_checkpoint(
             self, load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -258,6 +270,7 @@ class Engine:
         rank 0 writes). Works at every ZeRO stage, streaming one parameter at a time."""
         from partita.zero.export import save_16bit_model
 
+        self.finish_pending_step()
         return save_16bit_model(self.module, self.zero, save_dir, save_filename)
 
     def get_fp32_state_dict(self, rank0_only: bool = True) -> dict:
@@ -265,10 +278,29 @@ class Engine:
         state_dict (all ranks must call; only rank 0 gets them when ``rank0_only``)."""
         from partita.zero.export import fp32_state_dict
 
+        self.finish_pending_step()
         return fp32_state_dict(self.module, self.zero, rank0_only=rank0_only)
 
     def get_loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    # ------------------------------------------------------------------ torch.compile (partita/compile)
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None, schedule: Any = None,
+                *, block_types: Any = None) -> None:
+        """DeepSpeed's ``engine.compile``: torch.compile each repeated block (the whole model if it
+        has none) with ``backend`` and ``compile_kwargs`` (mode, fullgraph, dynamic, options, ...),
+        ZeRO hooks outside the compiled regions. ``schedule`` (DeepCompile passes) is refused;
+        ``block_types`` (partita only) picks the blocks. A second call with the same settings does nothing."""
+        from partita.compile.apply import compile_engine
+
+        compile_engine(self, backend, compile_kwargs, schedule, block_types=block_types)
+
+    @property
+    def is_compiled(self) -> bool:
+        """True once the config's compile section or :meth:`compile` compiled the model."""
+        from partita.compile.apply import compiled_blocks
+
+        return bool(compiled_blocks(self.module))
 
     # ------------------------------------------------------------------ monitoring (partita/monitor)
     def set_flops_per_token(self, flops: float, *, tokens_per_sample: int | None = None) -> None:

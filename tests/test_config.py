@@ -199,8 +199,8 @@ def test_unknown_nested_key_suggests_and_lists_valid_keys() -> None:
         "zero_optimization.reduce_bucket_sise = 500000000.0: unknown key in 'zero_optimization'; did you mean "
         "'reduce_bucket_size', 'stage3_prefetch_bucket_size' or 'allgather_bucket_size'? Valid keys: stage, overlap_comm, contiguous_gradients, "
         "reduce_bucket_size, allgather_bucket_size, reduce_scatter, stage3_param_persistence_threshold, "
-        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_gather_16bit_weights_on_model_save, "
-        "sub_group_size, offload_optimizer, offload_param"
+        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_max_reuse_distance, "
+        "stage3_gather_16bit_weights_on_model_save, sub_group_size, offload_optimizer, offload_param"
     )
 
 
@@ -255,6 +255,18 @@ def test_zero_stage_3_and_its_persistence_threshold_load() -> None:
     assert load_config({}).zero_optimization.stage3_param_persistence_threshold == 100_000
 
 
+def test_zero_stage3_max_reuse_distance_loads_with_deepspeeds_default() -> None:
+    assert load_config({}).zero_optimization.stage3_max_reuse_distance == 1_000_000_000
+    zero = load_config({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e8}}).zero_optimization
+    assert zero.stage3_max_reuse_distance == 100_000_000
+    auto = load_config({"zero_optimization": {"stage3_max_reuse_distance": "auto"}}).zero_optimization
+    assert auto.stage3_max_reuse_distance == 1_000_000_000
+    assert load_config({"zero_optimization": {"stage3_max_reuse_distance": 0}}).zero_optimization.stage3_max_reuse_distance == 0
+    assert only_problem({"zero_optimization": {"stage3_max_reuse_distance": -1}}).startswith(
+        "zero_optimization.stage3_max_reuse_distance = -1: "
+    )
+
+
 def test_zero_stage_out_of_range() -> None:
     line = only_problem({"zero_optimization": {"stage": 4}})
     assert line == "zero_optimization.stage = 4: ZeRO stage must be 0, 1, 2 or 3"
@@ -304,7 +316,8 @@ def test_every_problem_is_listed_in_one_error() -> None:
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
         ({"memory_breakdown": True}, "memory_breakdown"),
         ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload"),
-        ({"zero_optimization": {"stage3_max_reuse_distance": 1e8}}, "zero_optimization.stage3_max_reuse_distance"),
+        ({"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": True}},
+         "zero_optimization.stage3_use_all_reduce_for_fetch_params"),
         ({"zero_optimization": {"stage3_some_future_knob": 1}}, "zero_optimization.stage3_some_future_knob"),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
@@ -338,7 +351,7 @@ def test_unsupported_message_names_the_harmless_value() -> None:
         {"comet": None},
         {"prescale_gradients": False},
         {"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": None}},
-        {"zero_optimization": {"stage3_max_reuse_distance": "auto", "stage3_param_persistence_threshold": 1e5}},
+        {"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": "auto", "stage3_param_persistence_threshold": 1e5}},
         {"zero_optimization": {"round_robin_gradients": False, "allgather_partitions": True}},
         {"fp16": {"auto_cast": False}},
         {"bf16": {"immediate_grad_update": False}},
@@ -357,7 +370,7 @@ def test_a_boolean_is_not_mistaken_for_a_numeric_default() -> None:
 def test_unsupported_table_holds_the_documented_sections() -> None:
     top = set(UNSUPPORTED[()])
     for key in ("comet", "pipeline", "seq_parallel_communication_data_type",
-                "prescale_gradients", "compile", "tensor_parallel", "elasticity", "autotuning", "amp",
+                "prescale_gradients", "tensor_parallel", "elasticity", "autotuning", "amp",
                 "sparse_attention", "data_efficiency", "compression_training", "moe",
                 "zero_allow_untested_optimizer", "memory_breakdown", "dump_state", "prescale_gradients"):  # fmt: skip
         assert key in top, key

@@ -176,3 +176,51 @@ def test_delayed_update_without_offload_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="delayed_param_update overlaps the host optimizer step"):
         load_config(_config(2, 1, offload_optimizer={"delayed_param_update": True}))
+
+
+# ----------------------------------------------------------------------------- partial offload
+
+
+def train_with_ratio(configs: list[dict]) -> dict:
+    import partita.zero.api as api
+
+    made = []
+    original = api.ShardedOptimizer.__init__
+
+    def spy(self, groups, *args, **kwargs):
+        original(self, groups, *args, **kwargs)
+        made.append([(g.offloaded, sum(p.numel() for p in g.params)) for g in groups])
+
+    api.ShardedOptimizer.__init__ = spy
+    return {"results": train_partita(configs), "groups": made}
+
+
+def test_partial_offload_ratio_splits_groups_and_trains_identically() -> None:
+    configs = []
+    for stage in (2, 3):
+        configs += [_config(stage, 1), _config(stage, 1, **_offload(ratio=0.5))]
+    rank_out = run_distributed(train_with_ratio, 2, configs)[0]
+    for i in (0, 1):
+        on_device, partial = rank_out["results"][2 * i], rank_out["results"][2 * i + 1]
+        # Splitting a group changes how the global norm's partial sums are grouped: equal up
+        # to float rounding, not bit for bit.
+        for name, want in on_device["params"].items():
+            assert torch.allclose(partial["params"][name], want, rtol=1e-6, atol=1e-7), name
+        _check_against_reference(partial, tol=1e-5)
+    # TiedNet's groups: weights (embed 8x16=128 registered first, fc1 256, fc2 256; frozen
+    # excluded) and vectors (fc1.bias 16, fc2.bias 16, norm 16+16, unused.bias 4 ...): the
+    # first half of each group's elements, in registration order, is on the host.
+    from tests.tiny_models import build_model, param_groups
+
+    model = build_model()
+    expected = []
+    for group in param_groups(model):
+        trainable = [p for p in group["params"] if p.requires_grad]
+        total, moved = sum(p.numel() for p in trainable), 0
+        for p in trainable:  # registration order
+            if moved >= 0.5 * total:
+                break
+            moved += p.numel()
+        expected += [(True, moved), (False, total - moved)]
+    assert rank_out["groups"][1] == expected
+    assert rank_out["groups"][0] == [(False, sum(n for _, n in expected[0:2])), (False, sum(n for _, n in expected[2:4]))]

@@ -330,6 +330,7 @@ def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, A
             hyper[key] = current["param_groups"][g][key]
         new_groups.append({**hyper, "params": [index]})
     inner.load_state_dict({"state": new_state, "param_groups": new_groups})
+    engine.optimizer.release_states(loaded=True)  # NVMe optimizer offload: into the swap files
 
 
 def _check_block_size(group: ShardedParamGroup, g: int, block_size: int) -> None:

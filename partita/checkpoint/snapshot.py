@@ -147,6 +147,16 @@ def _shard_state_entries(kinds: StateLayout, state: dict[str, Any], master: torc
 
 def capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bool) -> Snapshot:
     """Snapshot this rank's part of the checkpoint (and, on rank 0, the shared part)."""
+    # NVMe optimizer offload: the states are read from the swap files into inner.state for the
+    # capture; the snapshot keeps references (or copies) after they are dropped from there again.
+    engine.optimizer.materialize_states()
+    try:
+        return _capture(engine, tag=tag, client_state=client_state, copy=copy)
+    finally:
+        engine.optimizer.release_states()
+
+
+def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bool) -> Snapshot:
     rank = dist.get_rank()
     optimizer = engine.optimizer
     inner = optimizer.inner

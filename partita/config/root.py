@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from partita.activation_checkpointing.config import ActivationCheckpointingConfig
 from partita.checkpoint.config import CheckpointConfig
+from partita.compile.config import CompileConfig
 from partita.config.base import JsonInt, Problem, StrictSection
 from partita.distributed.config import DistributedConfig
 from partita.monitor.config import (
@@ -192,6 +193,13 @@ class PartitaConfig(StrictSection):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig,
         description="Recompute activations in backward; \"policy\" wraps the model's blocks. DeepSpeed default: off.",
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,
+        description=(
+            "torch.compile each repeated block at initialize (\"enabled\"); DeepSpeed's \"deepcompile\" only "
+            "as false. Default: off."
+        ),
     )
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)

@@ -82,6 +82,10 @@ def _off(**extra: Any) -> dict[str, Any]:
 
 
 _MONITOR = 'Use "tensorboard", "wandb" or "csv_monitor" instead: they log the same metrics.'
+_DEEPCOMPILE = (
+    "It tunes DeepSpeed's DeepCompile (deepcompile: true); partita compiles each repeated block with "
+    'torch.compile instead ("compile": {"enabled": true}).'
+)
 
 # Keyed by the path of the section that holds the key; () is the top level.
 UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
@@ -90,7 +94,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "pipeline": Unsupported({}),
         "seq_parallel_communication_data_type": Unsupported("fp32"),
         "prescale_gradients": Unsupported(False),
-        "compile": Unsupported({"deepcompile": False}),
         "tensor_parallel": Unsupported({}),
         "elasticity": Unsupported(_off()),
         "autotuning": Unsupported(_off()),
@@ -121,7 +124,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "cpu_offload_params": Unsupported(False, 'Use "offload_param": {"device": "cpu"} (the current spelling).'),
         "cpu_offload_use_pin_memory": Unsupported(False, 'Use "pin_memory" inside "offload_optimizer" / "offload_param".'),
         "stage3_model_persistence_threshold": Unsupported(9_223_372_036_854_775_807),
-        "stage3_max_reuse_distance": Unsupported(1_000_000_000),
         "stage3_gather_fp16_weights_on_model_save": Unsupported(False),
         "stage3_module_granularity_threshold": Unsupported(0),
         "stage3_use_all_reduce_for_fetch_params": Unsupported(False),
@@ -147,6 +149,16 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
     ("fp16",): {
         "auto_cast": Unsupported(False),
         "fp16_master_weights_and_grads": Unsupported(False),
+    },
+    ("compile",): {
+        # DeepCompile's knobs (deepspeed/compile/config.py), inert at their defaults.
+        **{key: Unsupported(default, _DEEPCOMPILE) for key, default in {
+            "free_activation": False, "free_activation_threshold": 10 * 1024 * 1024, "offload_activation": False,
+            "offload_opt_states": False, "double_buffer": True, "symmetric_memory": False, "debug_log": False,
+            "offload_parameters": False, "sync_before_reduce": False, "sync_after_reduce": False,
+            "sync_before_allgather": False, "sync_after_allgather": False, "keep_int_input_tensors": True,
+            "keep_all_input_tensors": False, "passes": None,
+        }.items()},
     },
     ("flops_profiler",): {
         # Activation-checkpointing recomputation; partita's profiler measures the real backward.

@@ -8,6 +8,8 @@ error that names the operation (a dead peer otherwise surfaces as a bare backend
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,20 @@ from partita.distributed.collective_errors import explain_collective_failure
 from partita.monitor.comms_logger import COMMS_LOGGER
 
 __all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"]
+
+# torch 2.13 deprecates dist.all_gather_into_tensor / dist.reduce_scatter_tensor (a FutureWarning,
+# once per process) in favour of dist.all_gather_single / dist.reduce_scatter_single, which older
+# torch releases partita supports (2.4 onwards) do not have. The old names still work (in 2.13
+# they forward to the new ones), so partita keeps them and silences exactly these two messages:
+# the message regexes match nothing else. torch attributes the warning to its own
+# c10d_logger module whoever the caller is, so the filter cannot be narrowed to partita's calls.
+for _old, _new in (("all_gather_into_tensor", "all_gather_single"), ("reduce_scatter_tensor", "reduce_scatter_single")):
+    warnings.filterwarnings(
+        "ignore",
+        message=rf"`torch\.distributed\.{_old}` is deprecated\. Please use `torch\.distributed\.{_new}` instead\.",
+        category=FutureWarning,
+    )
+del _old, _new
 
 
 def all_reduce(

@@ -242,7 +242,10 @@ class ModuleProfiler:
                 latency[mod] = sum(latency.get(child, 0.0) for child in mod.children())
         modules = []
         for name, mod in named:
-            params = sum(p.numel() for p in mod.parameters())  # parameters() yields a tied tensor once
+            # parameters() yields a tied tensor once. numel() is the full count at ZeRO-3 too: partita
+            # frees a sharded parameter's storage in place and never changes its shape (unlike
+            # DeepSpeed, whose profiler must read ds_numel); tests/test_zero3_reuse.py checks it.
+            params = sum(p.numel() for p in mod.parameters())
             depth = name.count(".") + 1 if name else 0
             modules.append(ModuleStats(name, type(mod).__name__, depth, params, flops[mod], latency[mod]))
         return FlopsProfile(

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from partita.distributed.topology import Topology
+from partita.offload.config import AioConfig
 from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
@@ -45,6 +46,7 @@ def apply_zero(
     comm_dtype: torch.dtype | None = None,
     predivide_factor: float = 1.0,
     accumulate_in_fp32: bool = False,
+    aio: AioConfig | None = None,
 ) -> ZeroState:
     """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
 
@@ -62,12 +64,9 @@ def apply_zero(
         comm_dtype: dtype gradients are reduced in (None: the model's).
         predivide_factor: divide gradients by this before the cross-rank sum, by world/factor after.
         accumulate_in_fp32: at stages 0/1, sum micro-batch gradients in fp32 (stages 2/3 always do).
+        aio: the root config's ``aio`` section (NVMe swap I/O); None: its defaults.
     """
     offload = config.offload_optimizer
-    if offload.device == "nvme":
-        raise NotImplementedError(
-            "zero_optimization.offload_optimizer.device \"nvme\" is not implemented yet; use \"cpu\""
-        )
     if config.offload_param.enabled:
         raise NotImplementedError(
             "zero_optimization.offload_param is not implemented yet; set offload_param.device to \"none\""
@@ -84,22 +83,22 @@ def apply_zero(
     )
     groups = []
     for raw in param_groups:
-        # Layout order = reverse registration order, the order backward produces
-        # gradients in, so reduce buckets fill front to back (see reducer.py).
-        params = sorted(raw["params"], key=lambda p: -order[p])
         options = {k: v for k, v in raw.items() if k != "params"}
-        groups.append(
-            ShardedParamGroup(
-                params,
-                options=options,
-                num_shards=num_shards,
-                shard_rank=shard_rank,
-                alignment=alignment,
-                # ZeRO-3 frees parameter storage between uses: it must not be the master's.
-                may_alias_params=not policy.shard_parameters,
-                host_transfer=transfer,
+        for part, part_transfer in _offload_split(raw["params"], order, offload.ratio, transfer):
+            groups.append(
+                ShardedParamGroup(
+                    # Layout order = reverse registration order, the order backward produces
+                    # gradients in, so reduce buckets fill front to back (see reducer.py).
+                    sorted(part, key=lambda p: -order[p]),
+                    options=options,
+                    num_shards=num_shards,
+                    shard_rank=shard_rank,
+                    alignment=alignment,
+                    # ZeRO-3 frees parameter storage between uses: it must not be the master's.
+                    may_alias_params=not policy.shard_parameters,
+                    host_transfer=part_transfer,
+                )
             )
-        )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
     optimizer = ShardedOptimizer(
         groups,
@@ -110,6 +109,13 @@ def apply_zero(
         allgather_bucket_numel=config.allgather_bucket_size,
         delayed_update=offload.enabled and offload.delayed_param_update,
     )
+    if offload.device == "nvme":
+        # Everything of "cpu" offload, plus the optimizer states in swap files (ZeRO-Infinity).
+        from partita.offload.nvme_optimizer import SwappedOptimizerStates
+
+        optimizer.swapper = SwappedOptimizerStates(
+            groups, inner, offload=offload, sub_group_size=config.sub_group_size, aio=aio or AioConfig()
+        )
     reducer = GradientReducer(
         groups,
         order,
@@ -134,9 +140,34 @@ def apply_zero(
             persistence_threshold=config.stage3_param_persistence_threshold,
             prefetch_numel=config.stage3_prefetch_bucket_size,
             max_live_numel=config.stage3_max_live_parameters,
+            max_reuse_distance=config.stage3_max_reuse_distance,
         )
         optimizer.param_store = gatherer
     forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now
     state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer)
     register_owner((p for g in groups for p in g.params), state)
     return state
+
+
+def _offload_split(
+    params: list[nn.Parameter], order: dict[nn.Parameter, int], ratio: float, transfer: HostTransfer | None
+) -> list[tuple[list[nn.Parameter], HostTransfer | None]]:
+    """Cut one optimizer group into its offloaded and on-device parts (``offload_optimizer.ratio``).
+
+    Whole parameters, earliest-registered first, go to the host until ``ratio`` of the
+    group's elements are there. Each part becomes its own ZeRO group (one master each), so
+    the inner optimizer sees the user's group twice, with the same options.
+    """
+    if transfer is None or ratio >= 1.0:
+        return [(list(params), transfer)]
+    total = sum(p.numel() for p in params)
+    host: list[nn.Parameter] = []
+    moved = 0
+    for param in sorted(params, key=lambda p: order[p]):
+        if moved >= ratio * total:
+            break
+        host.append(param)
+        moved += param.numel()
+    device = [p for p in params if all(p is not h for h in host)]
+    return [(part, t) for part, t in ((host, transfer), (device, None)) if part]
+

@@ -26,6 +26,7 @@ class ZeroConfig(StrictSection):
             "stage3_param_persistence_threshold",
             "stage3_prefetch_bucket_size",
             "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
         }
     )
 
@@ -100,6 +101,17 @@ class ZeroConfig(StrictSection):
         description=(
             "ZeRO-3 only: prefetching never makes more than this many parameter elements whole "
             "(or in flight) on a rank at once. DeepSpeed default 1e9."
+        ),
+    )
+    stage3_max_reuse_distance: JsonInt = Field(
+        1_000_000_000,
+        ge=0,
+        description=(
+            "ZeRO-3 only: when a unit's forward ends, keep its parameters whole instead of freeing "
+            "them if the first step's trace says it runs again (called again in the forward, or its "
+            "backward) before other units gather this many parameter elements; saves the re-gather "
+            "at the cost of memory, never past stage3_max_live_parameters. 0 frees every unit at "
+            "once. DeepSpeed default 1e9."
         ),
     )
 

@@ -18,6 +18,33 @@ invalidating those references, its storage is resized to 0 bytes and resized bac
 it is needed again; the ``nn.Parameter`` object, its shape and the model's state_dict keys
 never change. Each parameter's state (SHARDED or GATHERED) is kept here, keyed by the
 parameter, and every transition is checked.
+
+[Note: reuse]
+When a unit's forward ends it is normally freed. With ``stage3_max_reuse_distance`` (as in
+DeepSpeed), a unit that the trace of the first step (``unit_trace``) says runs again before
+other units gather ``max_reuse_distance`` elements is kept whole instead: a block called twice
+in one forward, or the last blocks of the forward, whose backward starts right after. Keeping
+never takes the elements held whole past ``stage3_max_live_parameters`` (the kept unit plus
+everything gathered before its reuse must fit). 0 frees every unit at its end. A unit's
+backward always ends with its gradient hooks freeing it: the next use is after the optimizer
+step, with new values.
+
+[Note: rank divergence]
+Every gather is a collective, so all ranks must run the same units in the same order. To fail
+loudly instead of hanging (or silently swapping same-sized parameters) when they do not,
+ranks meet at points every rank reaches and compare what they did (``unit_sync``):
+- every training forward ends with one all-gather of four integers per rank (the only cost
+  once the trace is ready: one tiny collective and a host read per micro-batch);
+- while the trace is not ready (the first step, or after the unit order changed), each
+  on-demand parameter all-gather is preceded by such a check as well;
+- once the trace is ready, a rank whose forward leaves it (a start or end event that differs
+  from the first step's) knows which collectives the ranks still on the trace issue until
+  the end of their forward: it issues the same ones (``_replay``), then takes part in the
+  end-of-forward check with what it saw. If every rank left the trace at the same event with
+  the same unit, the order changed everywhere: the trace is disabled and the forward goes on
+  with checked on-demand gathers. Otherwise every rank raises ``RankDivergenceError``.
+A difference that shows only in the backward (same forward units on every rank, but a unit's
+output feeding the loss on one rank only) is not detected: it still waits for the timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +61,7 @@ from torch import nn
 from partita.distributed import collectives
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
+from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
 
 _LEAF_TYPES_ATTR = "_partita_z3_leaf_types"
@@ -125,10 +153,16 @@ class ParameterGatherer:
         persistence_threshold: int,
         prefetch_numel: int = 50_000_000,
         max_live_numel: int = 1_000_000_000,
+        max_reuse_distance: int = 1_000_000_000,
     ) -> None:
         self._groups = groups
         self._prefetch_numel = prefetch_numel
         self._max_live_numel = max_live_numel
+        self._max_reuse_distance = max_reuse_distance
+        # Elements of sharded parameters held whole or being gathered (what max_live bounds).
+        self._live_numel = 0
+        self.peak_live_numel = 0  # its maximum since construction or reset_peak_live_numel()
+        self.kept_count = 0  # unit ends that kept the unit whole for reuse (observability and tests)
         self._in_flight: dict[int, _InFlight] = {}
         self._in_flight_of: dict[nn.Parameter, int] = {}
         self._tickets = itertools.count()
@@ -160,6 +194,19 @@ class ParameterGatherer:
             self._state[param] = ParamState.SHARDED
         self._root = model
         self._unit_index = {unit: i for i, unit in enumerate(self._unit_params)}
+        # The training forward in progress: whether one is, the next trace event expected,
+        # and the units whose forward has started and not ended (outermost first).
+        self._in_forward = False
+        self._event_pos = 0
+        self._open: list[nn.Module] = []
+        self._sync: UnitSync | None = None
+        if world_size > 1 and self._state:  # nothing is ever gathered otherwise: nothing to mismatch
+            self._sync = UnitSync(
+                process_group=process_group,
+                world_size=world_size,
+                device=self.shards[0].device,
+                unit_names=_unit_names(model, list(self._unit_params)),
+            )
         self._hooks = []
         for unit, params in self._unit_params.items():
             if params or unit is model:  # the root's hooks also mark where a forward starts
@@ -201,33 +248,150 @@ class ParameterGatherer:
         param.data.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ hooks
-    def _training_pass(self, unit: nn.Module) -> bool:
-        return torch.is_grad_enabled() and self._root.training
-
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
-        if not self._training_pass(unit):
-            self.gather_unit(unit)
-            return
-        if unit is self._root:
-            self.trace.begin_forward()
-        resume = self.trace.observe(unit, Phase.FORWARD)
-        self.gather_unit(unit)
-        if resume is not None:
-            self._prefetch(self.trace.upcoming(Phase.FORWARD, resume))
+        training = self._root.training and torch.is_grad_enabled()
+        if unit is self._root and not _in_backward_pass():
+            if training:
+                self._begin_forward()
+            else:
+                self._in_forward = False  # a forward that raised midway left it set
+        if self._in_forward:
+            self._forward_event(unit, end=False)
+        elif training and _in_backward_pass():
+            self._before_backward(unit)  # recomputation under activation checkpointing
+        else:
+            self.gather_unit(unit)  # eval, no_grad, or a unit called outside the model's forward
 
     def on_pre_backward(self, unit: nn.Module) -> None:
         """Gradients reached ``unit``'s outputs: its parameters must be whole again."""
-        resume = self.trace.observe(unit, Phase.BACKWARD)
-        self.gather_unit(unit)
+        self._before_backward(unit)
+
+    def _before_backward(self, unit: nn.Module) -> None:
+        resume = self.trace.observe_backward(unit)
+        self._gather_checked(unit, Phase.BACKWARD)
         if resume is not None:
             self._prefetch(self.trace.upcoming(Phase.BACKWARD, resume))
+
+    def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
+        if self._in_forward:
+            self._forward_event(unit, end=True)
+        elif _in_backward_pass():
+            pass  # recomputation: this unit's backward runs next, its gradient hooks free it
+        elif not torch.is_grad_enabled() or unit is not self._root:
+            self.release_unit(unit)  # the root stays gathered until its gradients are produced
+        if not torch.is_grad_enabled():
+            return output  # no backward will follow (eval, no_grad)
+        tensors = []
+        _map_tensors(output, lambda t: tensors.append(t) if t.requires_grad else None)
+        if not tensors:
+            return output
+        wrapped = iter(_GatherBeforeBackward.apply(self, unit, *tensors) if len(tensors) > 1 else
+                       (_GatherBeforeBackward.apply(self, unit, tensors[0]),))
+        return _map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
+
+    # ------------------------------------------------------------------ the training forward
+    def _begin_forward(self) -> None:
+        self._in_forward = True
+        self._event_pos = 0
+        self._open = []
+        self.trace.begin_forward()
+
+    def _forward_event(self, unit: nn.Module, *, end: bool) -> None:
+        """A unit's forward starts or ends inside a training forward."""
+        if end:
+            self._open.pop()  # hooks nest: the unit ending is the innermost one open
+        else:
+            self._open.append(unit)
+        trace = self.trace
+        if trace.state is TraceState.READY:
+            index = self._event_pos
+            expected = trace.expected_event(index)
+            if expected is not None and expected.matches(end, unit):
+                self._event_pos = index + 1
+                self._traced_event(index)
+                return
+            self._left_trace(index, unit, end)  # raises, or disables the trace on every rank
+        elif trace.state is TraceState.RECORDING:
+            trace.record_forward(end, unit)
+        # On demand: the first step, or after the unit order changed.
+        if not end:
+            self._gather_checked(unit, Phase.FORWARD)
+        elif unit is self._root:
+            self._end_forward(END, 0)
+        else:
+            self.release_unit(unit)
+
+    def _traced_event(self, index: int) -> None:
+        """What every rank on the trace does at forward event ``index`` (also replayed)."""
+        trace = self.trace
+        end, unit = trace.forward_events[index]
+        if not end:
+            self.gather_unit(unit)
+            self._prefetch(trace.upcoming_after_event(index))
+        elif unit is self._root:
+            self._end_forward(END, len(trace.forward_events))
+        else:
+            self._end_unit(unit, index)
+
+    def _end_unit(self, unit: nn.Module, index: int) -> None:
+        """Keep the unit whole if the trace reuses it soon (see [Note: reuse]), else free it."""
+        distance = self.trace.reuse_distance[index]
+        if (
+            distance is not None
+            and distance < self._max_reuse_distance
+            and self._live_numel + distance <= self._max_live_numel
+        ):
+            self.kept_count += 1
+            return
+        self.release_unit(unit)
+
+    def _end_forward(self, kind: int, *row: int) -> None:
+        self._in_forward = False
+        self.trace.begin_backward()
+        if self._sync is not None:
+            self._sync.exchange(kind, *row)
+
+    def _left_trace(self, index: int, unit: nn.Module, end: bool) -> None:
+        """This rank's forward differs from the trace at event ``index`` (see [Note: rank
+        divergence]): issue the collectives the ranks on the trace issue until their forward
+        ends, compare at the end-of-forward check, then raise or go on on demand."""
+        trace = self.trace
+        events = trace.forward_events
+        for replayed in range(index, len(events) - 1):  # the last event is the root's end: the check
+            self._traced_event(replayed)
+        expected = trace.expected_event(index)
+        code = 2 * self._unit_index[unit] + end
+        expected_code = -1 if expected is None else 2 * self._unit_index[expected.unit] + expected.end
+        if self._sync is not None:
+            self._sync.exchange(DEVIATED, index, code, expected_code)  # raises unless every rank did this
+        trace.disable(
+            f"the forward pass ran units in a different order than the first training step (at unit event "
+            f"{index}); ZeRO-3 prefetching and reuse are off from now on and parameters are gathered on demand, "
+            "each gather preceded by a small rank-agreement check (correct, but slower)"
+        )
+        # The replay freed units whose forward is still running here: make them whole again.
+        for running in self._open:
+            if running is not self._root and running is not unit:
+                self._gather_checked(running, Phase.FORWARD)
+
+    def _gather_checked(self, unit: nn.Module, phase: Phase) -> None:
+        """Gather a unit on demand; off the trace, first check that every rank gathers the
+        same unit now (one small all-gather), so a divergence raises instead of hanging."""
+        params = self._unit_params[unit]
+        if (
+            self._sync is not None
+            and self.trace.state is not TraceState.READY
+            and any(self._state[p] is ParamState.SHARDED for p in params)
+        ):
+            self._sync.exchange(GATHER, self._unit_index[unit], int(phase is Phase.BACKWARD))
+        self.gather(params)
 
     def _prefetch(self, upcoming: Sequence[nn.Module]) -> None:
         """Start all-gathers for the next units, up to ``prefetch_numel`` elements ahead and
         never past ``max_live_numel`` elements held whole or in flight."""
         if self._world_size == 1:
             return  # nothing to overlap: a gather is a local copy
-        live = sum(p.numel() for p, s in self._state.items() if s is not ParamState.SHARDED)
+        live = self._live_numel
         ahead = 0
         for unit in upcoming:
             if ahead >= self._prefetch_numel:
@@ -241,21 +405,6 @@ class ParameterGatherer:
                 self.prefetch_count += 1
             live += need
             ahead += need
-
-    def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
-        is_root = unit is next(iter(self._unit_params))
-        if not torch.is_grad_enabled():
-            self.release_unit(unit)  # no backward will follow (eval, no_grad)
-            return output
-        if not is_root:  # the root stays gathered until its gradients are produced
-            self.release_unit(unit)
-        tensors = []
-        _map_tensors(output, lambda t: tensors.append(t) if t.requires_grad else None)
-        if not tensors:
-            return output
-        wrapped = iter(_GatherBeforeBackward.apply(self, unit, *tensors) if len(tensors) > 1 else
-                       (_GatherBeforeBackward.apply(self, unit, tensors[0]),))
-        return _map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
 
     def _release_one(self, param: nn.Parameter) -> None:
         self.release((param,))
@@ -323,6 +472,11 @@ class ParameterGatherer:
                 f"expected {expected} before becoming {new} (internal invariant broken)"
             )
         self._state[param] = new
+        if expected is ParamState.SHARDED:
+            self._live_numel += param.numel()
+            self.peak_live_numel = max(self.peak_live_numel, self._live_numel)
+        elif new is ParamState.SHARDED:
+            self._live_numel -= param.numel()
 
     def release(self, params: Iterable[nn.Parameter]) -> None:
         for param in params:
@@ -337,7 +491,10 @@ class ParameterGatherer:
             self._finish_gather(ticket)
         self.release(list(self._state))
         if self.trace.state is TraceState.RECORDING and self.trace.sequences[Phase.BACKWARD]:
-            self.trace.finish_recording(self._ranks_agree, self._unit_index)
+            self.trace.finish_recording(self._ranks_agree, self._unit_index, self._unit_numel, self._root)
+
+    def _unit_numel(self, unit: nn.Module) -> int:
+        return sum(p.numel() for p in self._unit_params[unit])
 
     def _ranks_agree(self, encoded: list[int]) -> bool:
         """All ranks recorded the same trace iff the digests' variance is zero. Digests are
@@ -354,6 +511,19 @@ class ParameterGatherer:
     def num_gathered(self) -> int:
         """Elements of non-persistent parameters currently held whole on this rank."""
         return sum(p.numel() for p, s in self._state.items() if s is ParamState.GATHERED)
+
+    @property
+    def live_numel(self) -> int:
+        """Elements of non-persistent parameters held whole or being gathered on this rank."""
+        return self._live_numel
+
+    def reset_peak_live_numel(self) -> None:
+        self.peak_live_numel = self._live_numel
+
+    @property
+    def unit_checks(self) -> int:
+        """Rank-agreement checks this rank has issued (see [Note: rank divergence])."""
+        return self._sync.exchanges if self._sync is not None else 0
 
     def state_of(self, param: nn.Parameter) -> ParamState | None:
         return self._state.get(param)
@@ -376,3 +546,18 @@ class ParameterGatherer:
 
 def _is_inside(inner: nn.Module, outer: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
+
+
+def _unit_names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    """How error messages name each unit: its dotted path in the model, and its class."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    return [
+        f"'{paths[id(u)]}' ({type(u).__name__})" if paths.get(id(u)) else f"the model itself ({type(u).__name__})"
+        for u in units
+    ]
+
+
+def _in_backward_pass() -> bool:
+    """True while autograd runs a backward on this thread (where activation checkpointing
+    recomputes a unit's forward)."""
+    return torch._C._current_graph_task_id() != -1

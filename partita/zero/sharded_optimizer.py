@@ -13,12 +13,16 @@ import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from partita.distributed import collectives
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
+
+if TYPE_CHECKING:
+    from partita.offload.nvme_optimizer import SwappedOptimizerStates
 
 
 # Optimizer-state keys of block-wise (8-bit) optimizers; see partita/optim/eight_bit.py.
@@ -73,6 +77,9 @@ class ShardedOptimizer:
         # ZeRO-3: the gatherer keeps sharded parameters' low-precision shards; only
         # persistent (small) parameters are written back whole after a step.
         self.param_store = None
+        # ZeRO-Infinity (offload_optimizer.device "nvme"): the optimizer states of offloaded groups
+        # live in swap files and are stepped sub-group by sub-group (partita/offload/nvme_optimizer.py).
+        self.swapper: SwappedOptimizerStates | None = None
         # Delayed parameter update: one background thread runs the (host) optimizer step
         # while the accelerator computes the next step; at most one update is in flight.
         self._background = ThreadPoolExecutor(1, thread_name_prefix="partita-step") if delayed_update else None
@@ -165,8 +172,11 @@ class ShardedOptimizer:
             if grad is not None and multiplier != 1.0:
                 grad.mul_(multiplier)
             group.master.grad = grad  # None: the group got no gradient; torch skips it
-        kept = self._save_unused(used)
-        self.inner.step()
+        kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
+        if self.swapper is None:
+            self.inner.step()
+        else:
+            self.swapper.step(self.inner, used)
         self._restore_unused(kept)
         for group in self.groups:
             group.master.grad = None
@@ -254,10 +264,29 @@ class ShardedOptimizer:
                     column = spec.partition_offset - bucket.partition_start
                     unpack_from_columns(gathered, column, spec, group.params[spec.index])
 
+    def materialize_states(self) -> None:
+        """NVMe offload: read the swapped optimizer states into ``inner.state`` (whole partitions,
+        in host memory) so a checkpoint can read them there; undo with :meth:`release_states`.
+        A no-op without NVMe offload."""
+        if self.swapper is not None:
+            self.finish_pending_step()
+            self.swapper.materialize(self.inner)
+
+    def release_states(self, *, loaded: bool = False) -> None:
+        """NVMe offload: drop the states :meth:`materialize_states` put in ``inner.state``; with
+        ``loaded=True`` (after ``inner.load_state_dict``) write them to the swap files first."""
+        if self.swapper is not None:
+            self.swapper.release(self.inner, write_back=loaded)
+
     def state_dict(self) -> dict:
         self.finish_pending_step()
-        return {"inner": self.inner.state_dict()}
+        self.materialize_states()
+        try:
+            return {"inner": self.inner.state_dict()}
+        finally:
+            self.release_states()
 
     def load_state_dict(self, state: dict) -> None:
         self.finish_pending_step()
         self.inner.load_state_dict(state["inner"])
+        self.release_states(loaded=True)

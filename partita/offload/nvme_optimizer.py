@@ -1,0 +1,448 @@
+"""ZeRO-Infinity optimizer offload to NVMe: optimizer states in swap files, stepped sub-group by sub-group.
+
+With ``zero_optimization.offload_optimizer.device: "nvme"`` everything of the ``"cpu"`` offload
+holds (the fp32 master partition and its fp32 gradient partition live in host memory, gradients
+and weights cross through :class:`~partita.offload.transfer.HostTransfer`), and in addition the
+optimizer *state* tensors shaped like the master (Adam's ``exp_avg``/``exp_avg_sq``, SGD's
+``momentum_buffer``, Lion's ``exp_avg``) live in swap files (:class:`NvmeSwapStore`), not in
+memory. Host memory for states is bounded by ``buffer_count`` buffers of at most
+``sub_group_size`` elements (:class:`PinnedBufferPool`), whatever the model size.
+
+Partita's simplification, honestly stated: DeepSpeed also swaps the fp32 master weights; partita
+keeps them in host memory, so 4 of the 12 bytes per parameter of Adam's optimizer memory stay in
+RAM (8 go to disk). The master is read for every parameter write-back and gradient norm anyway.
+
+How a step works (:meth:`SwappedOptimizerStates.step`): each offloaded group's master partition
+is cut into ranges of at most ``sub_group_size`` elements. For each range, its state tensors are
+read from disk into pool buffers, a persistent torch optimizer of the inner optimizer's class
+("proxy") steps the range — its parameter is a view ``master[lo:hi]`` (a leaf: the master does
+not require grad) whose ``.grad`` is ``master.grad[lo:hi]``, its state is the buffers, its
+options are copied from ``inner.param_groups[g]`` every step (so LR schedulers, which drive the
+inner optimizer, keep working) — and the buffers are written back. ``pipeline_read`` reads the
+next range while this one steps; ``pipeline_write`` writes a stepped range while the next one
+steps; all writes have finished when ``step`` returns.
+
+Why stepping ranges separately is exact: the supported optimizers (:data:`SWAPPABLE_OPTIMIZERS`)
+are element-wise — each element's update depends only on that element's weight, gradient and
+state and on per-parameter scalars (the step count), which every range keeps identically. The
+step count lives in each proxy's state (every range of a group is stepped at every applied step,
+so the counts agree). The first step lets torch create the states exactly as it would for the
+whole partition (zeros for Adam/Lion, a copy of the gradient for SGD's momentum), then they are
+copied into the buffers and written: no optimizer-specific initialisation code.
+
+Checkpoints: :meth:`materialize` reads every state into full tensors in ``inner.state[master]``
+for the duration of a save's capture; :meth:`release` drops them again, or — after a load —
+writes the loaded values to the swap files first. Saving therefore needs host memory for the
+whole partition's optimizer states while the save runs (what ``"cpu"`` offload holds always).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from partita.config.base import ConfigError
+from partita.offload.buffer_pool import PinnedBufferPool
+from partita.offload.config import AioConfig, OffloadOptimizerConfig
+from partita.offload.nvme import NvmeSwapStore
+from partita.optim.lion import Lion
+
+if TYPE_CHECKING:
+    from partita.zero.shard_group import ShardedParamGroup
+
+# Optimizers whose update is element-wise (see the module docstring), so a range steps exactly
+# as it would inside the whole partition. Exact classes: a subclass may override step().
+SWAPPABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    Lion,
+)
+
+_STORE_IDS = itertools.count()  # one swap directory per engine in a process (tags must differ)
+
+
+@dataclass(frozen=True)
+class _StateSpec:
+    """The state one group's optimizer keeps per parameter, found by a probe step."""
+
+    order: tuple[str, ...]  # every state key, in the order torch creates them
+    swapped: dict[str, torch.dtype]  # keys shaped like the parameter -> dtype (these go to disk)
+
+
+@dataclass
+class _Range:
+    """One sub-group: elements ``[lo, hi)`` of group ``group``'s master partition."""
+
+    group: int
+    index: int
+    lo: int
+    hi: int
+    view: torch.Tensor  # master[lo:hi]: the proxy's parameter
+    proxy: torch.optim.Optimizer
+    swap_keys: dict[str, str]  # state key -> swap-file key
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class _Slot:
+    """The pool buffers holding one range's states while it is read, stepped and written."""
+
+    unit: _Range
+    buffers: list[torch.Tensor]  # pool buffers to release
+    tensors: dict[str, torch.Tensor]  # state key -> a view of one buffer, ``unit.numel`` elements
+    reads: list[cf.Future] = field(default_factory=list)
+    writes: list[cf.Future] = field(default_factory=list)
+
+
+def _probe_state(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> _StateSpec:
+    """Step ``cls`` once on a 2-element tensor with ``options`` and see which state it keeps.
+
+    Two elements, so a per-parameter tensor (shape ``(2,)``) is told apart from scalars
+    (``step`` has shape ``()``). The keys depend on the options (``amsgrad``, SGD ``momentum``).
+    """
+    probe = torch.zeros(2, dtype=torch.float32)
+    probe.grad = torch.zeros_like(probe)
+    optimizer = cls([{**options, "params": [probe]}])
+    optimizer.step()
+    state = optimizer.state[probe]
+    swapped = {k: v.dtype for k, v in state.items() if torch.is_tensor(v) and v.shape == probe.shape}
+    return _StateSpec(order=tuple(state), swapped=swapped)
+
+
+def _cut(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + sub_group_size, numel)) for lo in range(0, numel, sub_group_size)]
+
+
+def _close(store: NvmeSwapStore, pool: PinnedBufferPool) -> None:
+    store.close()
+    pool.close()
+
+
+class SwappedOptimizerStates:
+    """Optimizer states of the offloaded groups in NVMe swap files, stepped sub-group by sub-group.
+
+    Args:
+        groups: the ZeRO groups (``ShardedOptimizer.groups``); only offloaded ones are swapped.
+        inner: the inner optimizer; its class and per-group options are used, never its ``step``
+            for the swapped groups.
+        offload: the ``offload_optimizer`` section (``nvme_path``, ``buffer_count``, ``pin_memory``,
+            ``pipeline_read``, ``pipeline_write``).
+        sub_group_size: ``zero_optimization.sub_group_size``, elements per range.
+        aio: the root ``aio`` section (block I/O knobs of the swap store).
+    """
+
+    def __init__(
+        self,
+        groups: list[ShardedParamGroup],
+        inner: torch.optim.Optimizer,
+        *,
+        offload: OffloadOptimizerConfig,
+        sub_group_size: int,
+        aio: AioConfig,
+    ) -> None:
+        cls = type(inner)
+        if cls not in SWAPPABLE_OPTIMIZERS:
+            raise NotImplementedError(
+                f"zero_optimization.offload_optimizer.device \"nvme\" steps the optimizer one sub-group at a time, "
+                f"which is exact only for element-wise optimizers partita knows: "
+                f"{', '.join(c.__module__ + '.' + c.__qualname__ for c in SWAPPABLE_OPTIMIZERS)} (from the config's "
+                f"Adam/AdamW/SGD/Lion, or an instance of exactly one of these). This run's optimizer is "
+                f"{cls.__module__}.{cls.__qualname__} (8-bit optimizers keep block-quantised state, and an optimizer "
+                "partita did not build may not be element-wise). Set offload_optimizer.device to \"cpu\" (states in "
+                "host memory), or use one of those optimizers"
+            )
+        self.groups = groups
+        self.swapped_groups = [g for g, group in enumerate(groups) if group.offloaded]
+        self.pipeline_read = bool(offload.pipeline_read)
+        self.pipeline_write = bool(offload.pipeline_write)
+        self.sub_group_size = int(sub_group_size)
+        self._specs = {g: _probe_state(cls, self._options(inner, g)) for g in self.swapped_groups}
+        # A group's files hold valid state only after its first applied step (or a load).
+        self._initialised = {g: False for g in self.swapped_groups}
+        wide = {k: d for spec in self._specs.values() for k, d in spec.swapped.items() if d.itemsize > 4}
+        if wide:
+            raise NotImplementedError(
+                f"optimizer states {wide} are wider than 4 bytes per element; the NVMe swap buffers are fp32-sized. "
+                "Keep fp32 (or narrower) optimizer states, or use offload_optimizer.device \"cpu\""
+            )
+        self._check_buffer_count(cls, offload.buffer_count)
+
+        self.store = NvmeSwapStore(
+            offload.nvme_path, aio=aio, buffer_count=offload.buffer_count, tag=f"optimizer{next(_STORE_IDS)}",
+            config_key="zero_optimization.offload_optimizer.nvme_path",
+        )
+        try:
+            self._ranges: dict[int, list[_Range]] = {g: self._build_ranges(cls, inner, g) for g in self.swapped_groups}
+            self.store.allocate(
+                {
+                    key: (unit.numel, self._specs[g].swapped[state_key])
+                    for g, units in self._ranges.items()
+                    for unit in units
+                    for state_key, key in unit.swap_keys.items()
+                }
+            )
+            widest = max((unit.numel for units in self._ranges.values() for unit in units), default=1)
+            self.pool = PinnedBufferPool(
+                count=offload.buffer_count, numel=widest, dtype=torch.float32, pin=offload.pin_memory,
+                name="nvme optimizer states",
+            )
+        except BaseException:
+            self.store.close()
+            raise
+        # Remove the swap files when the optimizer goes away (the store also does at exit).
+        self._finalizer = weakref.finalize(self, _close, self.store, self.pool)
+
+    # ---- setup -----------------------------------------------------------------------------
+    @staticmethod
+    def _options(inner: torch.optim.Optimizer, g: int) -> dict[str, Any]:
+        return {k: v for k, v in inner.param_groups[g].items() if k != "params"}
+
+    def _check_buffer_count(self, cls: type, buffer_count: int) -> None:
+        most = max((len(spec.swapped) for spec in self._specs.values()), default=0)
+        keys = next((list(s.swapped) for s in self._specs.values() if len(s.swapped) == most), [])
+        pipelined = [name for name, on in (("pipeline_read", self.pipeline_read), ("pipeline_write", self.pipeline_write)) if on]
+        need = most * (2 if pipelined else 1)
+        if buffer_count >= need:
+            return
+        why = (
+            f"{' and '.join(pipelined)} keeps a second sub-group's states in buffers while one steps, so it needs "
+            f"2 x {most} = {need}; set buffer_count to at least {need}, or set {' and '.join(pipelined)} to false"
+            if pipelined
+            else f"set buffer_count to at least {need}"
+        )
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.buffer_count={buffer_count}: with device \"nvme\" every state "
+            f"tensor of a sub-group needs one buffer, and {cls.__qualname__} keeps {most} per parameter "
+            f"({', '.join(keys)}); {why}"
+        )
+
+    def _build_ranges(self, cls: type[torch.optim.Optimizer], inner: torch.optim.Optimizer, g: int) -> list[_Range]:
+        master = self.groups[g].master
+        options = self._options(inner, g)
+        units = []
+        for index, (lo, hi) in enumerate(_cut(master.numel(), self.sub_group_size)):
+            view = master[lo:hi]  # a leaf (the master does not require grad) sharing the master's memory
+            units.append(
+                _Range(
+                    group=g, index=index, lo=lo, hi=hi, view=view,
+                    # Built once: no per-step construction. Its state holds only scalars between steps.
+                    proxy=cls([{**options, "params": [view]}]),
+                    swap_keys={key: f"g{g}.r{index}.{key}" for key in self._specs[g].swapped},
+                )
+            )
+        return units
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, inner: torch.optim.Optimizer, used: list[list[bool]]) -> None:
+        """Step every swapped group that has a gradient (``master.grad``), then the inner optimizer
+        for the other (on-device) groups. Leaves the swapped groups' ``master.grad`` None.
+
+        ``used[g][i]``: whether parameter ``i`` of group ``g`` got a gradient on any rank; the
+        states of those that did not are kept (their master weights are restored by the caller,
+        :meth:`ShardedOptimizer._restore_unused`), as the in-memory path does.
+        """
+        units = [u for g in self.swapped_groups if self.groups[g].master.grad is not None for u in self._ranges[g]]
+        try:
+            self._run(inner, units, used)
+        finally:
+            for g in self.swapped_groups:
+                self.groups[g].master.grad = None
+        # The swapped groups have no .grad now, so torch skips them; any other group (the
+        # on-device part under offload_optimizer.ratio < 1) steps as usual. Called even when
+        # nothing is left: LR schedulers and step hooks expect the inner optimizer to step.
+        inner.step()
+        for g in {u.group for u in units}:
+            self._initialised[g] = True
+
+    def _run(self, inner: torch.optim.Optimizer, units: list[_Range], used: list[list[bool]]) -> None:
+        behind: deque[_Slot] = deque()  # stepped ranges whose writes may still be in flight
+        current: _Slot | None = None
+        ahead: _Slot | None = None
+        try:
+            for i, unit in enumerate(units):
+                current = ahead if ahead is not None else self._open_slot(unit, behind)
+                ahead = None
+                if self.pipeline_read and i + 1 < len(units):
+                    ahead = self._open_slot(units[i + 1], behind)  # its reads overlap this range's step
+                self._finish(current.reads)
+                self._step_range(inner, current, used)
+                for state_key, key in unit.swap_keys.items():
+                    current.writes.append(self.store.write(key, current.tensors[state_key]))
+                slot, current = current, None
+                if self.pipeline_write:
+                    behind.append(slot)  # written while the next range steps
+                else:
+                    self._retire(slot)
+            while behind:
+                self._retire(behind.popleft())
+        except BaseException:
+            # Wait for every operation still using a buffer, then give the buffers back.
+            for slot in [s for s in (current, ahead) if s is not None] + list(behind):
+                cf.wait(slot.reads + slot.writes)
+                self._release(slot)
+            raise
+
+    def _open_slot(self, unit: _Range, behind: deque[_Slot]) -> _Slot:
+        """Take buffers for ``unit``'s states (waiting for earlier writes to free some) and start
+        reading them; a group not stepped yet has nothing on disk to read."""
+        need = len(unit.swap_keys)
+        while self.pool.capacity - self.pool.in_use < need and behind:
+            self._retire(behind.popleft())
+        buffers = [self.pool.acquire() for _ in range(need)]
+        tensors = {}
+        for buffer, (state_key, dtype) in zip(buffers, self._specs[unit.group].swapped.items()):
+            if dtype == torch.float32:
+                tensors[state_key] = buffer[: unit.numel]
+            else:  # narrower states (bf16) use the front of an fp32 buffer
+                tensors[state_key] = buffer.view(torch.uint8)[: unit.numel * dtype.itemsize].view(dtype)
+        slot = _Slot(unit, buffers, tensors)
+        if self._initialised[unit.group]:
+            try:
+                for state_key, key in unit.swap_keys.items():
+                    slot.reads.append(self.store.read(key, tensors[state_key]))
+            except BaseException:
+                cf.wait(slot.reads)
+                self._release(slot)
+                raise
+        return slot
+
+    def _step_range(self, inner: torch.optim.Optimizer, slot: _Slot, used: list[list[bool]]) -> None:
+        unit = slot.unit
+        group = self.groups[unit.group]
+        initialised = self._initialised[unit.group]
+        proxy_group = unit.proxy.param_groups[0]
+        for key, value in inner.param_groups[unit.group].items():
+            if key != "params":
+                proxy_group[key] = value  # lr, betas, weight_decay ... as the scheduler set them
+        state = unit.proxy.state[unit.view]
+        if initialised:
+            state.update(slot.tensors)
+        # Parameters without a gradient on any rank keep their states (see ShardedOptimizer.step).
+        kept = []
+        if initialised:
+            for spec, was_used in zip(group.layout.specs, used[unit.group]):
+                lo = max(spec.partition_offset, unit.lo)
+                hi = min(spec.partition_offset + spec.shard_numel, unit.hi)
+                if not was_used and lo < hi:
+                    kept += [(t[lo - unit.lo : hi - unit.lo], t[lo - unit.lo : hi - unit.lo].clone()) for t in slot.tensors.values()]
+        unit.view.grad = group.master.grad[unit.lo : unit.hi]
+        try:
+            unit.proxy.step()
+        finally:
+            unit.view.grad = None
+        for view, saved in kept:
+            view.copy_(saved)
+        created = {k for k, v in state.items() if torch.is_tensor(v) and v.shape == unit.view.shape}
+        if created != set(slot.tensors):
+            raise RuntimeError(
+                f"{type(unit.proxy).__qualname__} keeps per-parameter state {sorted(created)} in param group "
+                f"{unit.group}, but the probe at start found {sorted(slot.tensors)}; the swap files cannot hold it. "
+                "Use offload_optimizer.device \"cpu\""
+            )
+        for key, target in slot.tensors.items():
+            value = state.pop(key)  # between steps the proxy holds only scalars (the step count)
+            if value.data_ptr() != target.data_ptr():
+                target.copy_(value)  # first step: torch created the state; keep it in the buffer
+
+    def _finish(self, futures: list[cf.Future]) -> None:
+        for future in futures:
+            future.result()  # raises NvmeSwapError naming the file
+
+    def _retire(self, slot: _Slot) -> None:
+        try:
+            cf.wait(slot.writes)
+            self._finish(slot.writes)
+        finally:
+            self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        buffers, slot.buffers = slot.buffers, []
+        for buffer in buffers:
+            self.pool.release(buffer)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    @torch.no_grad()
+    def materialize(self, inner: torch.optim.Optimizer) -> None:
+        """Read every swapped group's states into full tensors in ``inner.state[master]``.
+
+        Groups not stepped yet get no state, as in memory. Undo with :meth:`release`.
+        """
+        for g in self.swapped_groups:
+            if not self._initialised[g]:
+                continue
+            master = self.groups[g].master
+            spec = self._specs[g]
+            full = {key: torch.empty(master.numel(), dtype=dtype) for key, dtype in spec.swapped.items()}
+            reads = [
+                self.store.read(swap_key, full[key][unit.lo : unit.hi])
+                for unit in self._ranges[g]
+                for key, swap_key in unit.swap_keys.items()
+            ]
+            cf.wait(reads)
+            self._finish(reads)
+            first = self._ranges[g][0] if self._ranges[g] else None
+            scalars = dict(first.proxy.state[first.view]) if first is not None else {}
+            inner.state[master] = {
+                key: full[key] if key in full else _copy(scalars[key]) for key in spec.order if key in full or key in scalars
+            }
+
+    @torch.no_grad()
+    def release(self, inner: torch.optim.Optimizer, *, write_back: bool) -> None:
+        """Drop the swapped groups' states from ``inner.state``; with ``write_back`` (after a load)
+        first write them to the swap files and hand their scalars to the proxies."""
+        for g in self.swapped_groups:
+            state = inner.state.pop(self.groups[g].master, None)
+            if write_back:
+                self._absorb(g, state or {})
+
+    def _absorb(self, g: int, state: dict[str, Any]) -> None:
+        spec = self._specs[g]
+        master = self.groups[g].master
+        shaped = {k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape}
+        if not state:
+            # No state saved for this group (saved before its first step): start fresh, as in memory.
+            for unit in self._ranges[g]:
+                unit.proxy.state.pop(unit.view, None)
+            self._initialised[g] = False
+            return
+        if shaped != set(spec.swapped):
+            raise NotImplementedError(
+                f"the loaded optimizer state of param group {g} has per-element tensors {sorted(shaped)}, but this "
+                f"run's optimizer (with its current options) keeps {sorted(spec.swapped)} in the NVMe swap files; "
+                "resume with the optimizer options that saved it (e.g. amsgrad), or offload_optimizer.device \"cpu\""
+            )
+        writes = []
+        try:
+            for unit in self._ranges[g]:
+                for key, swap_key in unit.swap_keys.items():
+                    writes.append(self.store.write(swap_key, state[key][unit.lo : unit.hi].to(spec.swapped[key]).contiguous()))
+                unit.proxy.state[unit.view] = {k: _copy(v) for k, v in state.items() if k not in shaped}
+        finally:
+            cf.wait(writes)
+        self._finish(writes)
+        self._initialised[g] = True
+
+    # ---- lifetime --------------------------------------------------------------------------
+    @property
+    def swap_dir(self) -> str:
+        return self.store.swap_dir
+
+    def close(self) -> None:
+        """Remove the swap files now (also done when this object is collected, and at exit)."""
+        self._finalizer()
+
+
+def _copy(value: Any) -> Any:
+    """A private copy of a scalar state entry: each range's proxy counts its own steps."""
+    return value.clone() if torch.is_tensor(value) else value
