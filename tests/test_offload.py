@@ -224,3 +224,17 @@ def test_partial_offload_ratio_splits_groups_and_trains_identically() -> None:
         expected += [(True, moved), (False, total - moved)]
     assert rank_out["groups"][1] == expected
     assert rank_out["groups"][0] == [(False, sum(n for _, n in expected[0:2])), (False, sum(n for _, n in expected[2:4]))]
+
+
+def test_eight_bit_optimizer_states_offload_to_host() -> None:
+    pytest.importorskip("bitsandbytes")
+    eight_bit = {"optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    configs = [{**_config(stage, 1), **eight_bit} for stage in (2, 3)]
+    configs = [c for cfg in configs for c in (cfg, {**cfg, "zero_optimization": {**cfg["zero_optimization"], **_offload()}})]
+    results = run_distributed(train_partita, 2, configs)[0]
+    for i, stage in enumerate((2, 3)):
+        on_device, offloaded = results[2 * i], results[2 * i + 1]
+        for name, want in on_device["params"].items():
+            assert torch.equal(offloaded["params"][name], want), f"stage {stage}: {name}"
+        # 8-bit state: one uint8 code per element of the (offloaded) partition plus block scales.
+        assert offloaded["state_numel"] == on_device["state_numel"]

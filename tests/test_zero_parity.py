@@ -58,7 +58,7 @@ def train_partita(configs: list[dict]) -> list[dict]:
                 engine.backward(loss)
                 engine.step()
             norms.append(engine.get_global_grad_norm())
-        state_numel = sum(t.numel() for s in optimizer.inner.state.values() for t in s.values() if t.dim() > 0)
+        state_numel = sum(t.numel() for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         out.append(
             {
                 "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
