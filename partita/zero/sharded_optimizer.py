@@ -10,7 +10,7 @@ rank's whole partition. LR schedulers drive its ``param_groups`` as usual.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from partita.distributed import collectives
+from partita.offload.pipelined_step import can_pipeline, step_and_upload
+from partita.zero.partition import Bucket
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 
 if TYPE_CHECKING:
@@ -159,21 +161,32 @@ class ShardedOptimizer:
         if self._background is not None:
             self._pending = (self._background.submit(self._apply_update, grads, multiplier, used), after)
             return StepResult(applied=True, grad_norm=norm)
-        self._apply_update(grads, multiplier, used)
-        self.write_back_params()
+        if can_pipeline(self):
+            self._apply_update(grads, multiplier, used, upload=True)  # stepped and written back bucket by bucket
+        else:
+            self._apply_update(grads, multiplier, used)
+            self.write_back_params()
         if after is not None:
             after()
         return StepResult(applied=True, grad_norm=norm)
 
     @torch.no_grad()
-    def _apply_update(self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]]) -> None:
-        """Run the inner optimizer on the master partitions with these gradient partitions."""
+    def _apply_update(
+        self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]], *, upload: bool = False
+    ) -> None:
+        """Run the inner optimizer on the master partitions with these gradient partitions.
+
+        ``upload``: ZeRO-Offload, step the offloaded groups bucket by bucket and write each
+        bucket back as soon as it is stepped (partita/offload/pipelined_step.py).
+        """
         for group, grad in zip(self.groups, grads):
             if grad is not None and multiplier != 1.0:
                 grad.mul_(multiplier)
             group.master.grad = grad  # None: the group got no gradient; torch skips it
         kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
-        if self.swapper is None:
+        if upload:
+            step_and_upload(self, lambda g, end: self._restore_unused(kept, group=g, end=end))
+        elif self.swapper is None:
             self.inner.step()
         else:
             self.swapper.step(self.inner, used)
@@ -212,20 +225,28 @@ class ShardedOptimizer:
         shaped = [t for t in state.values() if torch.is_tensor(t) and t.shape == group.master.shape]
         return [t[lo:hi] for t in [group.master] + shaped]
 
-    def _save_unused(self, used: list[list[bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _save_unused(self, used: list[list[bool]]) -> list[list]:
+        """Copies of the weights and states of parameters no rank produced a gradient for:
+        entries ``[group index, partition end, view, saved copy]``."""
         kept = []
-        for group, group_used in zip(self.groups, used):
+        for g, (group, group_used) in enumerate(zip(self.groups, used)):
             for spec, was_used in zip(group.layout.specs, group_used):
                 if not was_used:
                     lo, hi = spec.partition_offset, spec.partition_offset + spec.shard_numel
-                    kept.extend((view, view.clone()) for view in self._state_views(group, lo, hi))
+                    kept.extend([g, hi, view, view.clone()] for view in self._state_views(group, lo, hi))
         return kept
 
     @staticmethod
     @torch.no_grad()
-    def _restore_unused(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for view, saved in kept:
+    def _restore_unused(kept: list[list], *, group: int | None = None, end: int | None = None) -> None:
+        """Put the saved copies back (only group ``group``'s entries ending by ``end``, if given);
+        each entry is restored once."""
+        for entry in kept:
+            g, hi, view, saved = entry
+            if saved is None or (group is not None and (g != group or hi > end)):
+                continue
             view.copy_(saved)
+            entry[3] = None
 
     @torch.no_grad()
     def write_back_params(self) -> None:
@@ -233,36 +254,51 @@ class ShardedOptimizer:
         store = self.param_store
         if store is not None:
             store.refresh_shards()
-        for group, buckets in zip(self.groups, self._gather_buckets):
-            if group.aliases_params:
-                continue  # the parameters are views of the master: already up to date
-            for bucket in buckets:
-                specs = [
-                    spec
-                    for spec in group.layout.specs[bucket.first : bucket.last]
-                    if store is None or not store.is_sharded_param(group.params[spec.index])
-                ]
-                if not specs:
-                    continue  # same decision on every rank: the sharded set is identical
-                # Cast bucket by bucket: a whole-partition low-precision copy would cost
-                # another 2 bytes per parameter at the memory peak.
-                mine = group.master[bucket.partition_start : bucket.partition_end]
-                if group.host_transfer is not None:
-                    mine = group.host_transfer.upload(mine, group.model_dtype)  # cast on the host, copy asynchronously
-                else:
-                    mine = mine.to(group.model_dtype)
-                if self._num_shards == 1:
-                    gathered = mine.view(1, -1)
-                else:
-                    gathered = torch.empty(
-                        (self._num_shards, bucket.shard_numel), dtype=mine.dtype, device=mine.device
-                    )
-                    collectives.all_gather_into_tensor(
-                        gathered.view(-1), mine, group=self._process_group, purpose="parameter all-gather after the optimizer step"
-                    )
-                for spec in specs:
-                    column = spec.partition_offset - bucket.partition_start
-                    unpack_from_columns(gathered, column, spec, group.params[spec.index])
+        for g, group in enumerate(self.groups):
+            self.write_back_group(g)
+
+    def bucket_layout(self, g: int) -> list[Bucket]:
+        """Group ``g``'s write-back (all-gather) buckets, in the order they are gathered."""
+        return self._gather_buckets[g]
+
+    def write_back_group(self, g: int, buckets: Sequence[Bucket] | None = None) -> None:
+        """Write group ``g``'s updated master (or only ``buckets`` of it) into the model.
+
+        A collective per bucket (the same buckets in the same order on every rank).
+        """
+        group = self.groups[g]
+        if group.aliases_params:
+            return  # the parameters are views of the master: already up to date
+        for bucket in self._gather_buckets[g] if buckets is None else buckets:
+            self._write_back_bucket(group, bucket)
+
+    @torch.no_grad()
+    def _write_back_bucket(self, group: ShardedParamGroup, bucket: Bucket) -> None:
+        store = self.param_store
+        specs = [
+            spec
+            for spec in group.layout.specs[bucket.first : bucket.last]
+            if store is None or not store.is_sharded_param(group.params[spec.index])
+        ]
+        if not specs:
+            return  # same decision on every rank: the sharded set is identical
+        # Cast bucket by bucket: a whole-partition low-precision copy would cost
+        # another 2 bytes per parameter at the memory peak.
+        mine = group.master[bucket.partition_start : bucket.partition_end]
+        if group.host_transfer is not None:
+            mine = group.host_transfer.upload(mine, group.model_dtype)  # cast on the host, copy asynchronously
+        else:
+            mine = mine.to(group.model_dtype)
+        if self._num_shards == 1:
+            gathered = mine.view(1, -1)
+        else:
+            gathered = torch.empty((self._num_shards, bucket.shard_numel), dtype=mine.dtype, device=mine.device)
+            collectives.all_gather_into_tensor(
+                gathered.view(-1), mine, group=self._process_group, purpose="parameter all-gather after the optimizer step"
+            )
+        for spec in specs:
+            column = spec.partition_offset - bucket.partition_start
+            unpack_from_columns(gathered, column, spec, group.params[spec.index])
 
     def materialize_states(self) -> None:
         """NVMe offload: read the swapped optimizer states into ``inner.state`` (whole partitions,

@@ -1,0 +1,107 @@
+"""The host optimizer step of ZeRO-Offload, pipelined with the parameter upload.
+
+Without it an offloaded step is: the host steps the whole fp32 partition, then the new weights
+go up to the accelerator and are all-gathered. Here the host steps the partition one write-back
+bucket at a time and hands each finished bucket to the upload at once: its host-to-device copy
+and all-gather run on the accelerator while the host steps the next bucket, so only the last
+bucket's upload is exposed.
+
+Each bucket's range is stepped by a throw-away optimizer of the inner optimizer's class whose
+one parameter is a view of the master range, and whose state tensors are views of the inner
+optimizer's whole-partition state: ``inner.state`` stays the single source of truth (for
+checkpoints, for the next step), and no state is copied.
+
+Limited to torch's Adam and AdamW (whose state is ``step`` plus tensors shaped like the
+parameter) and to ZeRO stages 1-2 (ZeRO-3 refreshes its parameter shards whole); other setups
+take the unpipelined path. Ranges start at multiples of 64 elements: torch's fused CPU kernel
+vectorises in chunks, and aligned ranges give bit-identical results to one whole-partition call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from partita.zero.sharded_optimizer import ShardedOptimizer
+
+_ALIGN = 64
+_PIPELINED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def can_pipeline(optimizer: ShardedOptimizer) -> bool:
+    """Whether the offloaded groups of ``optimizer`` can step bucket by bucket now.
+
+    Needs their whole-partition state to exist already (the first step creates it, with
+    torch's own initialisation, on the unpipelined path).
+    """
+    inner = optimizer.inner
+    if type(inner) not in _PIPELINED_CLASSES or optimizer.param_store is not None or optimizer.swapper is not None:
+        return False
+    offloaded = [g for g in optimizer.groups if g.offloaded]
+    return bool(offloaded) and all(_has_state(inner, g.master) for g in offloaded)
+
+
+def _has_state(inner: torch.optim.Optimizer, master: torch.Tensor) -> bool:
+    state = inner.state.get(master, {})
+    return "step" in state and "exp_avg" in state
+
+
+@torch.no_grad()
+def step_and_upload(optimizer: ShardedOptimizer, restore_unused) -> None:
+    """Step every group (masters' ``.grad`` already set) and write the new weights back.
+
+    On-accelerator groups step in one call of the inner optimizer, then the offloaded groups
+    step bucket by bucket, each bucket written back as soon as it is stepped.
+    ``restore_unused(g, end)`` puts back the state of parameters that got no gradient within
+    partition elements ``[0, end)`` of group ``g`` before they are written back.
+    """
+    inner = optimizer.inner
+    offloaded = [g for g, group in enumerate(optimizer.groups) if group.offloaded]
+    held = {g: optimizer.groups[g].master.grad for g in offloaded}
+    for g in offloaded:
+        optimizer.groups[g].master.grad = None  # the inner call below skips them
+    inner.step()  # on-accelerator groups (ratio < 1); also runs the optimizer's step hooks
+    for g, group in enumerate(optimizer.groups):
+        if g not in held:
+            restore_unused(g, group.master.numel())
+            optimizer.write_back_group(g)
+    for g in offloaded:
+        group = optimizer.groups[g]
+        grad = held[g]
+        group.master.grad = grad
+        if grad is None:  # no gradient anywhere in the group: torch would skip it
+            optimizer.write_back_group(g)
+            continue
+        _step_group_by_bucket(optimizer, g, restore_unused)
+
+
+def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused) -> None:
+    inner = optimizer.inner
+    group = optimizer.groups[g]
+    master, state = group.master, inner.state[group.master]
+    options = {k: v for k, v in inner.param_groups[g].items() if k != "params"}
+    step_before = state["step"].clone()
+    stepped = 0
+    for bucket in optimizer.bucket_layout(g):
+        end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, master.numel())
+        if end > stepped:
+            _step_range(type(inner), options, master, state, step_before, stepped, end)
+            stepped = end
+        restore_unused(g, stepped)
+        optimizer.write_back_group(g, [bucket])
+    if stepped < master.numel():  # padding after the last bucket
+        _step_range(type(inner), options, master, state, step_before, stepped, master.numel())
+    state["step"].copy_(step_before + 1)
+
+
+def _step_range(cls, options: dict, master: torch.Tensor, state: dict, step_before: torch.Tensor, lo: int, hi: int) -> None:
+    proxy = master[lo:hi]  # a view of a tensor that needs no grad: a leaf torch can optimise
+    proxy.grad = master.grad[lo:hi]
+    ranged = cls([{"params": [proxy], **options}])
+    ranged.state[proxy] = {
+        key: (step_before.clone() if key == "step" else value[lo:hi])
+        for key, value in state.items()
+    }
+    ranged.step()
