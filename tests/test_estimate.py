@@ -82,6 +82,9 @@ def _pinned_bytes(engine) -> int:
     swapper = getattr(engine.optimizer, "swapper", None)
     if swapper is not None:
         pools[id(swapper.pool)] = swapper.pool
+    param_pool = getattr(getattr(engine.zero.gatherer, "storage", None), "pool", None)  # offload_param nvme
+    if param_pool is not None:
+        pools[id(param_pool)] = param_pool
     return sum(pool.total_bytes + pool.capacity * BUFFER_ALIGNMENT for pool in pools.values())
 
 
@@ -100,12 +103,15 @@ def _estimated(estimate) -> dict:
         return sum(x.nbytes for x in estimate.lines if x.item.startswith(names))
 
     both = ("accelerator", "cpu")
+    shards = {d: sum(x.nbytes for x in estimate.lines if x.category == "parameters" and "parameter shards" in x.item
+                     and x.device == d) for d in ("accelerator", "cpu", "nvme")}
     return {
+        "shards": shards,
         "parameters": sum(estimate.by_category(d)["parameters"] for d in both),
         "optimizer states": sum(estimate.by_category(d)["optimizer states"] for d in both),
         "grad_partition": kind("grad_partition") + items("fp32 gradient partition (offloaded)"),
         "full_grads": kind("full_grads"),
-        "pinned": items("pinned staging buffers", "NVMe state buffers"),
+        "pinned": items("pinned staging buffers", "NVMe state buffers", "NVMe parameter buffers"),
         "swap_files": estimate.total("nvme"),
     }
 
@@ -118,9 +124,11 @@ def measure_model_states(cases: list[tuple[int, str, str, int, dict | None]], nv
     out = []
     for stage, dtype, optimizer, gas, extra in cases:
         cfg = _config(stage, dtype, optimizer, gas, extra)
-        nvme = cfg["zero_optimization"].get("offload_optimizer", {}).get("device") == "nvme"
-        if nvme:
-            cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
+        nvme = False
+        for section in ("offload_optimizer", "offload_param"):
+            if cfg["zero_optimization"].get(section, {}).get("device") == "nvme":
+                cfg["zero_optimization"][section]["nvme_path"] = nvme_path
+                nvme = True
         model = _state_model()
         groups = model.optimizer_param_groups(0.1)
         info = model_info(model, param_groups=groups)
@@ -152,11 +160,19 @@ def measure_model_states(cases: list[tuple[int, str, str, int, dict | None]], nv
         state_tensors = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
         states, _ = _storage_bytes(state_tensors, skip=counted | {grp.master.untyped_storage().data_ptr()
                                                                   for grp in opt.groups})
+        gatherer = engine.zero.gatherer
+        shard_bytes = gatherer.shard_nbytes() if gatherer is not None else dict.fromkeys(("accelerator", "cpu", "nvme"), 0)
+        swap_files = _swap_file_bytes(nvme_path if nvme else None, rank)
+        pinned = _pinned_bytes(engine)
+        if gatherer is not None:
+            gatherer.close()  # later cases' swap files are counted alone
+        if getattr(opt, "swapper", None) is not None:
+            opt.swapper.close()
         out.append({
             "case": (stage, dtype, optimizer, gas, bool(extra)),
-            "measured": {"parameters": params, "optimizer states": master + states,
-                         "grad_partition": partition, "full_grads": held[0], "pinned": _pinned_bytes(engine),
-                         "swap_files": _swap_file_bytes(nvme_path if nvme else None, rank)},
+            "measured": {"shards": shard_bytes, "parameters": params, "optimizer states": master + states,
+                         "grad_partition": partition, "full_grads": held[0], "pinned": pinned,
+                         "swap_files": swap_files},
             "estimated": _estimated(estimate),
             "buckets": ([b.column for b in reduce_buckets(info, estimate.setup)],
                         [b.shard_numel for b in reducer._buckets]),
@@ -179,6 +195,18 @@ _OFFLOAD_CASES = [
     (2, "bf16", "AdamW", 1, {"offload_optimizer": {"device": "nvme", "buffer_count": 2},
                              "sub_group_size": 1000, "aio": {"block_size": 4096}}),
 ]
+# Where stage 3 keeps its shards (partita/offload/param_offload.py): on the accelerator also for a
+# host master (a copy even in fp32), in host memory, or part in memory (max_in_cpu) and part in
+# swap files. The persistence threshold is 30: the smallest parameters are never swapped.
+_SHARD_CASES = [
+    (3, "fp32", "AdamW", 1, {"offload_optimizer": {"device": "cpu", "buffer_count": 2}}),
+    (3, "bf16", "AdamW", 1, {"offload_param": {"device": "cpu"}}),
+    (3, "fp32", "AdamW", 1, {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu", "buffer_count": 2}}),
+    (3, "bf16", "AdamW", 1, {"offload_param": {"device": "nvme", "buffer_count": 2, "buffer_size": 2000, "max_in_cpu": 300},
+                             "aio": {"block_size": 4096}}),
+    (3, "fp32", "SGD", 1, {"offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 1500, "max_in_cpu": 0},
+                           "offload_optimizer": {"device": "cpu", "buffer_count": 2, "ratio": 0.5}, "aio": {"block_size": 8192}}),
+]
 
 
 def measure_everything(cases: list, with_total: bool, nvme_path: str | None) -> dict:
@@ -195,7 +223,7 @@ def world_1() -> dict:
 @pytest.fixture(scope="module")
 def world_2(tmp_path_factory) -> list[dict]:
     nvme = tmp_path_factory.mktemp("nvme")
-    return run_distributed(measure_everything, 2, _CASES + _OFFLOAD_CASES, False, str(nvme))
+    return run_distributed(measure_everything, 2, _CASES + _OFFLOAD_CASES + _SHARD_CASES, False, str(nvme))
 
 
 def _check_exact(results: list[dict]) -> None:
@@ -236,11 +264,40 @@ def test_offload_model_states_exact(world_2):
     # ZeRO-Offload / -Infinity (partita/offload): master, gradient partition and states in host
     # memory (ratio < 1: part of each group stays on the device), pinned pools, NVMe swap files.
     for rank in world_2:
-        offloaded = [r for r in rank["states"] if r["case"][4]]
-        assert len(offloaded) == len(_OFFLOAD_CASES)
+        offloaded = rank["states"][len(_CASES) : len(_CASES) + len(_OFFLOAD_CASES)]
+        assert all(r["case"][4] for r in offloaded)
         _check_exact(offloaded)
         nvme = offloaded[-1]["measured"]
         assert nvme["swap_files"] == 6 * 4096 and nvme["pinned"] == 2 * (64 * 2**20 + 4096) + 2 * (4000 + 4096)
+
+
+def test_stage3_shard_bytes_by_device_exact(world_2):
+    # Every case (and every stage-3 case above) compares shard bytes by location with the estimate;
+    # here, the figures by hand for this model (GPT n_embd 9, 2 layers, vocab 13; pos_emb frozen).
+    info = _state_info()
+    share = sum((p.numel + 1) // 2 for p in info.params())  # this rank's partition (world 2, padded)
+    # Non-persistent shards (more than 30 elements), groups in order, layout order (reverse registration).
+    swapped = [(p.numel + 1) // 2 for group in info.groups for p in sorted(group, key=lambda p: -p.order)
+               if p.numel > 30]
+    resident = 0
+    for kept, numel in enumerate(swapped):
+        if resident + numel > 300:
+            break
+        resident += numel
+    for rank in world_2:
+        results = rank["states"][len(_CASES) + len(_OFFLOAD_CASES) :]
+        assert len(results) == len(_SHARD_CASES)
+        _check_exact(results)
+        host_master, cpu_bf16, cpu_fp32, nvme_bf16, nvme_fp32 = [r["measured"]["shards"] for r in results]
+        assert host_master == {"accelerator": 4 * share, "cpu": 0, "nvme": 0}
+        assert cpu_bf16 == {"accelerator": 0, "cpu": 2 * share, "nvme": 0}
+        assert cpu_fp32 == {"accelerator": 0, "cpu": 4 * share, "nvme": 0}
+        # bf16, max_in_cpu 300: a prefix of the swapped shards in memory, one 4096-byte file each for the rest.
+        assert 0 < kept < len(swapped)
+        assert nvme_bf16 == {"accelerator": 0, "cpu": 2 * resident, "nvme": 4096 * (len(swapped) - kept)}
+        # fp32, max_in_cpu 0: every non-persistent shard in its own 8192-byte-block file.
+        assert nvme_fp32 == {"accelerator": 0, "cpu": 0, "nvme": sum(-(-4 * n // 8192) * 8192 for n in swapped)}
+        assert results[4]["measured"]["pinned"] == 2 * (64 * 2**20 + 4096) + 3 * (4 * 1500 + 4096)
 
 
 # ----------------------------------------------------------------------------- (2) activations

@@ -20,7 +20,9 @@ exact peak depends on timing), so their lines are marked ``exact=False``:
   ``stage3_prefetch_bucket_size`` elements; a unit whose backward comes within
   ``stage3_max_reuse_distance`` gathered elements stays whole after its forward (the last
   blocks); nothing takes the whole elements past ``stage3_max_live_parameters``. One
-  all-gather output buffer exists while a unit is unpacked.
+  all-gather output buffer exists while a unit is unpacked; with ``offload_param`` also the
+  device staging copy of this rank's shards it is gathered from (prefetch runs at world size
+  1 too then: the gather is a host-to-device copy worth overlapping).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def _stage3_live_bytes(info: ModelInfo, setup: Setup) -> tuple[int, str]:
         return assumed * d, "no model shape: assumed 2 x stage3_prefetch_bucket_size elements whole"
     units = whole[1:]  # forward order (find_units: ModuleList children in registration order)
     max_live = setup.stage3_max_live_parameters
-    prefetch = setup.stage3_prefetch_bucket_size if setup.world_size > 1 else 0
+    prefetch = setup.stage3_prefetch_bucket_size if setup.world_size > 1 or setup.offload_param != "none" else 0
     live = peak = whole[0]  # the root stays whole through forward and backward
     is_live = [False] * len(units)
     for i, numel in enumerate(units):
@@ -159,6 +161,8 @@ def _stage3_live_bytes(info: ModelInfo, setup: Setup) -> tuple[int, str]:
             live -= numel
             is_live[i] = False
     gather_buffer = max(padded)
+    if setup.offload_param != "none":
+        gather_buffer += max(padded) // setup.num_shards  # the staging copy all-gathered from
     return (peak + gather_buffer) * d, "root + kept and running units + prefetch, one all-gather buffer"
 
 

@@ -62,9 +62,6 @@ def estimate_for_info(info: ModelInfo, setup: Setup) -> MemoryEstimate:
     if not info.exact_layout:
         notes.append("no parameter shapes: padding (< world size elements per parameter) and bucket boundaries "
                      "are those of stand-in tensors of 2**24 elements")
-    if setup.offload_param != "none":
-        notes.append("offload_param is not implemented in partita's engine yet (initialize refuses it): its lines "
-                     "assume the stage-3 shards move to the host, as in DeepSpeed")
     # The GPT's backward is walked block by block; otherwise every line of the phase counts in full.
     walk = gpt_backward_walk(info, setup, lines) if info.gpt is not None and setup.activation_bytes is None else None
     return MemoryEstimate(model=info.description, setup=setup, lines=tuple(lines), activations_known=known,

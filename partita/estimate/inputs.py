@@ -185,6 +185,7 @@ class Setup:
     optimizer_buffer_count: int = 4
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
+    param_max_in_cpu: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
     aio_block_size: int = 1_048_576
     staging_bytes: int = STAGING_BYTES
@@ -213,7 +214,8 @@ class Setup:
                      "param_buffer_count", "param_buffer_size", "sub_group_size", "aio_block_size", "staging_bytes",
                      "reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_parameters"):
             _positive_int(name, getattr(self, name))
-        for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance"):
+        for name in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+                     "param_max_in_cpu"):
             _positive_int(name, getattr(self, name), minimum=0)
         if self.seq_len is not None:
             _positive_int("seq_len", self.seq_len)
@@ -315,6 +317,7 @@ class Setup:
             "offload_param": zero.offload_param.device,
             "param_buffer_count": zero.offload_param.buffer_count,
             "param_buffer_size": zero.offload_param.buffer_size,
+            "param_max_in_cpu": zero.offload_param.max_in_cpu,
             "communication_dtype": cfg.communication_data_type,
             "grad_accum_dtype": cfg.data_types.grad_accum_dtype,
         }

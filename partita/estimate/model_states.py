@@ -25,9 +25,14 @@ code that allocates the tensors:
   Lion ``exp_avg`` (4 bytes); bitsandbytes 8-bit: uint8 codes per element (2 states for
   Adam, 1 for Lion), an fp32 scale per 256-element block per state, and 256-entry fp32 code
   tables shared by the whole optimizer.
-- ZeRO-3 (``param_gatherer.py``): each rank keeps its model-dtype shard (``partition_numel``
-  per group); parameters with at most ``stage3_param_persistence_threshold`` elements also
-  stay whole on every rank; the others' storage is freed between uses.
+- ZeRO-3 (``param_gatherer.py``, ``offload/param_offload.py``): each rank keeps its model-dtype
+  shard (``partition_numel`` per group) on the accelerator; parameters with at most
+  ``stage3_param_persistence_threshold`` elements also stay whole on every rank; the others'
+  storage is freed between uses. ``offload_param`` "cpu" keeps the same shards in host memory
+  instead; "nvme" keeps only the non-persistent parameters' shards, the first of them (groups
+  in order, layout order) within ``max_in_cpu`` elements in host memory and every other one in
+  a swap file of whole ``aio.block_size`` blocks, plus ``buffer_count`` read/write buffers of
+  ``buffer_size`` elements (each over-allocated by one page) when any shard is on disk.
 
 Offload (``zero_optimization.offload_optimizer``, ``partita/offload``): an offloaded group's
 fp32 master, fp32 gradient partition and optimizer states live in host memory ("cpu"); with
@@ -36,8 +41,9 @@ fp32 master, fp32 gradient partition and optimizer states live in host memory ("
 ``buffer_count`` state buffers instead (partita keeps master and gradients in host memory).
 Gradients and weights cross through ``buffer_count`` pinned staging buffers of
 ``STAGING_BYTES``. ``delayed_param_update`` holds a second gradient partition (the previous
-step's, read by the background step). At stage 3 an offloaded group's shards follow its
-master to the host (``master.to(dtype)`` keeps the device).
+step's, read by the background step). At stage 3 an offloaded group's shards stay on the
+accelerator (the all-gather reads them there; they are refreshed from the host master through
+the staging pool), a separate copy even in fp32.
 """
 
 from __future__ import annotations
@@ -111,6 +117,51 @@ def _sum(groups: list[ZeroGroup], fn) -> int:
     return sum(fn(g) for g in groups)
 
 
+def _stage3_shard_lines(groups: list[ZeroGroup], setup: Setup, shard_is_master) -> list[Line]:
+    """Where stage 3 keeps each rank's parameter shards (``partita.offload.param_offload``)."""
+    d = setup.dtype_bytes
+    if setup.offload_param == "cpu":
+        return [Line("parameters", f"{setup.dtype} parameter shards (offload_param cpu)", "cpu",
+                     d * sum(g.partition_numel for g in groups), note="page-locked with pin_memory on a GPU")]
+    if setup.offload_param == "nvme":
+        # NvmeShards: non-persistent parameters' shards, a prefix within max_in_cpu in memory.
+        pieces = [spec.shard_numel for g in groups for p, spec in zip(g.params, g.layout.specs)
+                  if p.numel > setup.stage3_param_persistence_threshold]
+        resident = kept = 0
+        for numel in pieces:
+            if resident + numel > setup.param_max_in_cpu:
+                break
+            resident += numel
+            kept += 1
+        block = setup.aio_block_size
+        files = [math.ceil(d * numel / block) * block for numel in pieces[kept:]]
+        lines = []
+        if resident:
+            lines.append(Line("parameters", f"{setup.dtype} parameter shards kept in memory (max_in_cpu)", "cpu",
+                              d * resident, note="page-locked with pin_memory on a GPU"))
+        if files:
+            lines.append(Line("parameters", f"{setup.dtype} parameter shards (swap files)", "nvme", sum(files),
+                              note="one file per sharded parameter"))
+            lines.append(Line("buffers", "NVMe parameter buffers (offload_param)", "cpu",
+                              setup.param_buffer_count * (d * setup.param_buffer_size + BUFFER_ALIGNMENT),
+                              note="buffer_count x buffer_size elements"))
+        return lines
+    lines = []
+    aliased = [g for g in groups if shard_is_master(g)]
+    own = [g for g in groups if not shard_is_master(g) and not g.offloaded]
+    host_master = [g for g in groups if g.offloaded]
+    if aliased:
+        lines.append(Line("parameters", "fp32 parameter shards (the fp32 master itself: one copy)", "accelerator",
+                          4 * sum(g.partition_numel for g in aliased)))
+    if own:
+        lines.append(Line("parameters", f"{setup.dtype} parameter shards (stage 3)", "accelerator",
+                          d * sum(g.partition_numel for g in own)))
+    if host_master:
+        lines.append(Line("parameters", f"{setup.dtype} parameter shards of offloaded groups", "accelerator",
+                          d * sum(g.partition_numel for g in host_master), note="refreshed from the host master"))
+    return lines
+
+
 def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     """Per-rank bytes of parameters, gradients and optimizer states for ``setup``."""
     groups = zero_groups(info, setup)
@@ -119,17 +170,16 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     d = setup.dtype_bytes
     trainable = info.trainable_numel
     lines: list[Line] = []
-    # Offload is checked against the engine (tests/test_estimate.py): host tensors, pinned
-    # pools and swap files. offload_param is not in the engine yet (its lines are estimates).
-    host_exact = setup.offload_param == "none"
 
     def partition(gs: list[ZeroGroup]) -> int:
         return _sum(gs, lambda g: g.partition_numel)
 
     # ---------------------------------------------------------------- parameters
-    # A stage-3 shard is ``master.to(model dtype)``: on the master's device, and the master
-    # itself in fp32 (offload_param, not in the engine yet, would move shards to the host).
-    shard_is_master = setup.stage == 3 and setup.dtype == "fp32" and setup.offload_param == "none"
+    # A stage-3 shard on the accelerator is ``master.to(device, model dtype)``: the master itself
+    # for an fp32 master on the accelerator, a copy for a host master (offload_optimizer).
+    def shard_is_master(g: ZeroGroup) -> bool:
+        return setup.stage == 3 and setup.dtype == "fp32" and setup.offload_param == "none" and not g.offloaded
+
     if setup.stage < 3:
         aliased = [g for g in groups if g.aliases_params]
         plain = [g for g in groups if not g.aliases_params]
@@ -140,21 +190,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
             lines.append(Line("parameters", f"{setup.dtype} parameters", "accelerator",
                               d * _sum(plain, lambda g: sum(p.numel for p in g.params))))
     else:
-        what = "fp32 parameter shards (the fp32 master itself: one copy)" if shard_is_master else \
-            f"{setup.dtype} parameter shards (stage 3)"
-        if setup.offload_param != "none":
-            lines.append(Line("parameters", what, setup.offload_param, d * partition(groups), exact=False,
-                              note="offload_param"))
-        else:
-            if device_groups:
-                lines.append(Line("parameters", what, "accelerator", d * partition(device_groups)))
-            if host_groups:
-                lines.append(Line("parameters", what + " of offloaded groups", "cpu", d * partition(host_groups),
-                                  exact=host_exact, note="shards follow their host master"))
-        if setup.offload_param == "nvme":
-            lines.append(Line("buffers", "pinned parameter swap buffers (offload_param nvme)", "cpu",
-                              setup.param_buffer_count * setup.param_buffer_size * d, exact=False,
-                              note="buffer_count x buffer_size elements"))
+        lines += _stage3_shard_lines(groups, setup, shard_is_master)
         persistent = sum(p.numel for p in info.params() if p.numel <= setup.stage3_param_persistence_threshold)
         lines.append(Line(
             "parameters", f"persistent parameters (<= {setup.stage3_param_persistence_threshold:,} elements, whole)",
@@ -175,7 +211,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                           partition_phases, kind="grad_partition"))
     if host_groups:
         lines.append(Line("gradients", "fp32 gradient partition (offloaded)", "cpu", 4 * partition(host_groups),
-                          partition_phases, exact=host_exact))
+                          partition_phases))
         if setup.delayed_param_update:
             # The background step still reads the previous step's partition while the next
             # micro-batches fill a fresh one (ShardedOptimizer.step hands the old one over).
@@ -193,13 +229,13 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                           4 * trainable, frozenset(phases), kind="fp32_sums"))
 
     # ---------------------------------------------------------------- optimizer states
-    has_master = [g for g in groups if not g.aliases_params and not shard_is_master]
+    has_master = [g for g in groups if not g.aliases_params and not shard_is_master(g)]
     if [g for g in has_master if not g.offloaded] or not groups:
         lines.append(Line("optimizer states", "fp32 master weights", "accelerator",
                           4 * partition([g for g in has_master if not g.offloaded])))
     if [g for g in has_master if g.offloaded]:
         lines.append(Line("optimizer states", "fp32 master weights (offloaded)", "cpu",
-                          4 * partition([g for g in has_master if g.offloaded]), exact=host_exact))
+                          4 * partition([g for g in has_master if g.offloaded])))
     _, what = optimizer_state_bytes(setup, 0)
     tables = (1 if "Lion" in setup.optimizer else 2) * _CODE_TABLE_BYTES if alignment_of(setup) > 1 else 0
     if device_groups or not host_groups:
@@ -215,7 +251,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         files = [math.ceil(4 * n / block) * block for g in host_groups
                  for n in _ranges(g.partition_numel, setup.sub_group_size)] * swapped_state_count(setup)
         lines.append(Line("optimizer states", f"{setup.optimizer} states (swap files): {what}", "nvme", sum(files),
-                          exact=host_exact, note="one file per state and sub-group"))
+                          note="one file per state and sub-group"))
         widest = max(min(setup.sub_group_size, g.partition_numel) for g in host_groups)
         lines.append(Line("buffers", "NVMe state buffers (fp32, pinned)", "cpu",
                           setup.optimizer_buffer_count * (4 * widest + BUFFER_ALIGNMENT),

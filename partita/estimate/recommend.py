@@ -5,7 +5,9 @@ Candidates are tried from fastest to slowest and the first that fits wins. The o
 1. optimizer offload, outermost (slowest lever: every step moves gradients and weights over
    PCIe and steps the optimizer on the CPU): none; to CPU memory; then, only when a CPU
    memory size is given and CPU offload exceeds it, to NVMe. Parameter offload
-   (``offload_param``) is not tried: partita's engine does not implement it yet;
+   (``offload_param``) is not tried: it adds a host-to-device copy to every gather of every
+   unit, a cost the memory estimate cannot weigh; estimate it explicitly when stage 3 with
+   optimizer offload still does not fit;
 2. activation checkpointing, in the middle (one extra forward of the recomputed part):
    none; selective (recomputes only elementwise ops); every block;
 3. ZeRO stage, innermost (cheapest: communication that overlaps with compute): 0, 1, 2, 3.

@@ -67,10 +67,6 @@ def apply_zero(
         aio: the root config's ``aio`` section (NVMe swap I/O); None: its defaults.
     """
     offload = config.offload_optimizer
-    if config.offload_param.enabled:
-        raise NotImplementedError(
-            "zero_optimization.offload_param is not implemented yet; set offload_param.device to \"none\""
-        )
     policy = ZeroPolicy.for_stage(config.stage)
     num_shards = policy.num_shards(topology.data_size)
     shard_rank = topology.data_rank if num_shards > 1 else 0  # stage 0: every rank owns everything
@@ -141,6 +137,9 @@ def apply_zero(
             prefetch_numel=config.stage3_prefetch_bucket_size,
             max_live_numel=config.stage3_max_live_parameters,
             max_reuse_distance=config.stage3_max_reuse_distance,
+            # ZeRO-Infinity parameter offload: shards in host memory or swap files between uses.
+            offload_param=config.offload_param,
+            aio=aio or AioConfig(),
         )
         optimizer.param_store = gatherer
     forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now

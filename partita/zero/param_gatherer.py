@@ -45,6 +45,12 @@ ranks meet at points every rank reaches and compare what they did (``unit_sync``
   with checked on-demand gathers. Otherwise every rank raises ``RankDivergenceError``.
 A difference that shows only in the backward (same forward units on every rank, but a unit's
 output feeding the loss on one rank only) is not detected: it still waits for the timeout.
+
+[Note: where shards live]
+The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
+on the parameters' device, or with ``offload_param`` in host memory or NVMe swap files, copied
+to the device as part of the gather (so prefetching also prefetches those copies, at world
+size 1 too). Persistent parameters stay whole on the device either way.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ import torch
 from torch import nn
 
 from partita.distributed import collectives
+from partita.offload.config import AioConfig, OffloadParamConfig
+from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync
@@ -93,6 +101,7 @@ class _InFlight:
     gathered: torch.Tensor
     params: list[nn.Parameter]
     columns: list[int]
+    ready: Any  # the storage's side-stream event (None without one), see partita/offload/param_offload.py
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
@@ -154,6 +163,8 @@ class ParameterGatherer:
         prefetch_numel: int = 50_000_000,
         max_live_numel: int = 1_000_000_000,
         max_reuse_distance: int = 1_000_000_000,
+        offload_param: OffloadParamConfig | None = None,
+        aio: AioConfig | None = None,
     ) -> None:
         self._groups = groups
         self._prefetch_numel = prefetch_numel
@@ -177,10 +188,18 @@ class ParameterGatherer:
         # Small parameters stay whole on every rank (DeepSpeed's persistence threshold):
         # gathering them costs more in latency than it saves in memory.
         self.persistent = {p for p in self._where if p.numel() <= persistence_threshold}
-        # Each rank's low-precision shard of every parameter, what all-gathers read from.
-        self.shards = [group.master.to(group.model_dtype) for group in groups]
         self._state: dict[nn.Parameter, ParamState] = {}
         self._unit_params = self._assign_units(model)
+        # Collectives run where the parameters live, whatever the shards' or masters' location.
+        self._device = groups[0].params[0].device
+        # Each rank's low-precision shard of every parameter, what all-gathers read from: on the
+        # device, in host memory or on NVMe (``offload_param``, partita/offload/param_offload.py).
+        names = _unit_names(model, list(self._unit_params))
+        self.storage: ShardStorage = build_shard_storage(
+            groups, self._device, offload=offload_param, aio=aio,
+            units=[UnitPieces(name, tuple(self._piece(p) for p in params))
+                   for name, params in zip(names, self._unit_params.values())],
+        )
         for param in self._where:
             if param in self.persistent:
                 if param.untyped_storage().nbytes() == 0:  # built under zero.Init: make it whole
@@ -204,8 +223,8 @@ class ParameterGatherer:
             self._sync = UnitSync(
                 process_group=process_group,
                 world_size=world_size,
-                device=self.shards[0].device,
-                unit_names=_unit_names(model, list(self._unit_params)),
+                device=self._device,
+                unit_names=names,
             )
         self._hooks = []
         for unit, params in self._unit_params.items():
@@ -235,6 +254,10 @@ class ParameterGatherer:
         for param, unit in owner.items():
             result[unit].append(param)
         return result
+
+    def _piece(self, param: nn.Parameter) -> ShardPiece:
+        g, spec = self._where[param]
+        return ShardPiece(g, spec.partition_offset, spec.shard_numel)
 
     @staticmethod
     def _own_storage(param: nn.Parameter) -> None:
@@ -389,8 +412,8 @@ class ParameterGatherer:
     def _prefetch(self, upcoming: Sequence[nn.Module]) -> None:
         """Start all-gathers for the next units, up to ``prefetch_numel`` elements ahead and
         never past ``max_live_numel`` elements held whole or in flight."""
-        if self._world_size == 1:
-            return  # nothing to overlap: a gather is a local copy
+        if self._world_size == 1 and self.storage.location == "accelerator":
+            return  # nothing to overlap: a gather is a local copy (offloaded: a host-to-device copy)
         live = self._live_numel
         ahead = 0
         for unit in upcoming:
@@ -431,22 +454,26 @@ class ParameterGatherer:
         pieces, columns, column = [], [], 0
         for param in params:
             self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
-            g, spec = self._where[param]
-            pieces.append(self.shards[g][spec.partition_offset : spec.partition_offset + spec.shard_numel])
+            pieces.append(self._piece(param))
             columns.append(column)
-            column += spec.shard_numel
-        local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        work = None
-        if self._world_size == 1:
-            gathered = local.view(1, -1)
-        else:
-            gathered = torch.empty((self._world_size, column), dtype=local.dtype, device=local.device)
-            work = collectives.all_gather_into_tensor(
-                gathered.view(-1), local, group=self._process_group, purpose="ZeRO-3 parameter all-gather",
-                async_op=True,
-            )
+            column += pieces[-1].numel
+        storage = self.storage
+        # Offloaded shards: the host-to-device copies and the all-gather go on one side stream,
+        # ordered without a host synchronisation (see partita/offload/param_offload.py).
+        with storage.issue():
+            local = storage.fetch(pieces, column)
+            work = None
+            if self._world_size == 1:
+                gathered = local.view(1, -1)
+            else:
+                gathered = torch.empty((self._world_size, column), dtype=local.dtype, device=local.device)
+                work = collectives.all_gather_into_tensor(
+                    gathered.view(-1), local, group=self._process_group, purpose="ZeRO-3 parameter all-gather",
+                    async_op=True,
+                )
+            ready = storage.issued()
         ticket = next(self._tickets)
-        self._in_flight[ticket] = _InFlight(work, gathered, params, columns)
+        self._in_flight[ticket] = _InFlight(work, gathered, params, columns, ready)
         for param in params:
             self._in_flight_of[param] = ticket
         return ticket
@@ -454,6 +481,7 @@ class ParameterGatherer:
     def _finish_gather(self, ticket: int) -> None:
         flight = self._in_flight.pop(ticket)
         collectives.wait(flight.work, purpose="ZeRO-3 parameter all-gather")
+        self.storage.arrived(flight.ready, flight.gathered)
         for param, col in zip(flight.params, flight.columns):
             del self._in_flight_of[param]
             _, spec = self._where[param]
@@ -503,7 +531,7 @@ class ParameterGatherer:
         if self._world_size == 1:
             return True
         digest = float(zlib.crc32(str(encoded).encode()) % (1 << 16))
-        sums = torch.tensor([digest, digest * digest], dtype=torch.float64, device=self.shards[0].device)
+        sums = torch.tensor([digest, digest * digest], dtype=torch.float64, device=self._device)
         collectives.all_reduce(sums, group=self._process_group, purpose="ZeRO-3 trace check")
         total, total_sq = sums.tolist()
         return total_sq * self._world_size == total * total
@@ -534,9 +562,29 @@ class ParameterGatherer:
 
     @torch.no_grad()
     def refresh_shards(self) -> None:
-        """After an optimizer step: the low-precision shards follow the fp32 master."""
-        for shard, group in zip(self.shards, self._groups):
-            shard.copy_(group.master)
+        """After an optimizer step: the low-precision shards follow the fp32 master (on the
+        device, in host memory or in the swap files, see :attr:`storage`)."""
+        self.storage.refresh()
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """Per group, the in-memory shard tensor gathers read (with offload_param "nvme": only
+        the shards kept in CPU memory)."""
+        return self.storage.shards
+
+    @property
+    def shard_location(self) -> str:
+        """Where the shards live between uses: "accelerator", "cpu" or "nvme"."""
+        return self.storage.location
+
+    def shard_nbytes(self) -> dict[str, int]:
+        """Bytes of shards by location; swap files counted as allocated (whole aio blocks)."""
+        return self.storage.nbytes()
+
+    def close(self) -> None:
+        """Remove the offload_param swap files and free their buffers (also done when the
+        gatherer is collected, and at exit); no gather may follow."""
+        self.storage.close()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
