@@ -10,8 +10,8 @@ code that allocates the tensors:
   size at stages 1-3 and 1 at stage 0; ``alignment`` is 256 for 8-bit optimizers.
 - fp32 master (``shard_group.py``): one fp32 tensor of ``partition_numel`` per group. With
   fp32 training and one shard (stage 0, or one rank) below stage 3 the parameters become
-  views of it (no second copy); at stage 3 in fp32 the gatherer's "16-bit" shards are
-  ``master.to(fp32)``, i.e. the master itself.
+  views of it (no second copy); at stage 3 the gatherer keeps no low-precision shard of an
+  accelerator master (gathers cast from it).
 - gradients: the fp32 gradient partition (``ShardedParamGroup.grad_partition``,
   ``partition_numel`` fp32 per group) exists from the first retired reduce bucket in
   backward (world size 1: the end of backward) until the optimizer step.
@@ -43,7 +43,8 @@ Gradients and weights cross through ``buffer_count`` pinned staging buffers of
 ``STAGING_BYTES``. ``delayed_param_update`` holds a second gradient partition (the previous
 step's, read by the background step). At stage 3 an offloaded group's shards stay on the
 accelerator (the all-gather reads them there; they are refreshed from the host master through
-the staging pool), a separate copy even in fp32.
+the staging pool), a separate copy even in fp32; an accelerator master needs no shard copy at
+all (gathers cast from it).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _sum(groups: list[ZeroGroup], fn) -> int:
     return sum(fn(g) for g in groups)
 
 
-def _stage3_shard_lines(groups: list[ZeroGroup], setup: Setup, shard_is_master) -> list[Line]:
+def _stage3_shard_lines(groups: list[ZeroGroup], setup: Setup) -> list[Line]:
     """Where stage 3 keeps each rank's parameter shards (``partita.offload.param_offload``)."""
     d = setup.dtype_bytes
     if setup.offload_param == "cpu":
@@ -147,15 +148,9 @@ def _stage3_shard_lines(groups: list[ZeroGroup], setup: Setup, shard_is_master) 
                               note="buffer_count x buffer_size elements"))
         return lines
     lines = []
-    aliased = [g for g in groups if shard_is_master(g)]
-    own = [g for g in groups if not shard_is_master(g) and not g.offloaded]
+    # A group whose fp32 master is on the accelerator keeps no shard: gathers cast from the
+    # master (DeviceShards), which is counted once, under optimizer states.
     host_master = [g for g in groups if g.offloaded]
-    if aliased:
-        lines.append(Line("parameters", "fp32 parameter shards (the fp32 master itself: one copy)", "accelerator",
-                          4 * sum(g.partition_numel for g in aliased)))
-    if own:
-        lines.append(Line("parameters", f"{setup.dtype} parameter shards (stage 3)", "accelerator",
-                          d * sum(g.partition_numel for g in own)))
     if host_master:
         lines.append(Line("parameters", f"{setup.dtype} parameter shards of offloaded groups", "accelerator",
                           d * sum(g.partition_numel for g in host_master), note="refreshed from the host master"))
@@ -175,11 +170,6 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         return _sum(gs, lambda g: g.partition_numel)
 
     # ---------------------------------------------------------------- parameters
-    # A stage-3 shard on the accelerator is ``master.to(device, model dtype)``: the master itself
-    # for an fp32 master on the accelerator, a copy for a host master (offload_optimizer).
-    def shard_is_master(g: ZeroGroup) -> bool:
-        return setup.stage == 3 and setup.dtype == "fp32" and setup.offload_param == "none" and not g.offloaded
-
     if setup.stage < 3:
         aliased = [g for g in groups if g.aliases_params]
         plain = [g for g in groups if not g.aliases_params]
@@ -190,7 +180,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
             lines.append(Line("parameters", f"{setup.dtype} parameters", "accelerator",
                               d * _sum(plain, lambda g: sum(p.numel for p in g.params))))
     else:
-        lines += _stage3_shard_lines(groups, setup, shard_is_master)
+        lines += _stage3_shard_lines(groups, setup)
         persistent = sum(p.numel for p in info.params() if p.numel <= setup.stage3_param_persistence_threshold)
         lines.append(Line(
             "parameters", f"persistent parameters (<= {setup.stage3_param_persistence_threshold:,} elements, whole)",
@@ -229,7 +219,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                           4 * trainable, frozenset(phases), kind="fp32_sums"))
 
     # ---------------------------------------------------------------- optimizer states
-    has_master = [g for g in groups if not g.aliases_params and not shard_is_master(g)]
+    has_master = [g for g in groups if not g.aliases_params]
     if [g for g in has_master if not g.offloaded] or not groups:
         lines.append(Line("optimizer states", "fp32 master weights", "accelerator",
                           4 * partition([g for g in has_master if not g.offloaded])))

@@ -191,27 +191,46 @@ def _runs(pieces: Sequence[ShardPiece]) -> Iterator[ShardPiece]:
 
 
 class DeviceShards(ShardStorage):
-    """``offload_param`` "none": the shards live on the parameters' device."""
+    """``offload_param`` "none": the shards live on the parameters' device.
+
+    A group whose fp32 master is on the device keeps no low-precision shard at all: a gather
+    casts its pieces from the master as it copies them into the send buffer (FSDP2 likewise
+    keeps only the fp32 shard). That saves 2 bytes per parameter / world size of device memory,
+    and the values are the same as a shard refreshed from the master after each step. A group
+    whose master is in host memory (``offload_optimizer``) keeps a device shard, refreshed
+    through the offload staging pool.
+    """
 
     location = "accelerator"
 
     def __init__(self, groups: Sequence[ShardedParamGroup], device: torch.device) -> None:
         super().__init__(groups, device)
         for group in self.groups:
+            if not group.offloaded and group.master.device == device:
+                self.shards.append(group.master)  # gathers read (and cast) the fp32 master
+                continue
             shard = group.master.to(device=device, dtype=group.model_dtype)
-            if shard is group.master and group.offloaded:
+            if shard is group.master:
                 shard = shard.clone()  # a host master is never the shard (see the module docstring)
             self.shards.append(shard)
 
     def fetch(self, pieces: Sequence[ShardPiece], numel: int) -> torch.Tensor:
-        views = [self.shards[p.group][p.offset : p.offset + p.numel] for p in pieces]
-        return torch.cat(views) if len(views) > 1 else views[0]
+        dtype = self.groups[pieces[0].group].model_dtype
+        if len(pieces) == 1 and self.shards[pieces[0].group].dtype == dtype:
+            piece = pieces[0]
+            return self.shards[piece.group][piece.offset : piece.offset + piece.numel]
+        out = torch.empty(numel, dtype=dtype, device=self.device)
+        position = 0
+        for run in _runs(pieces):
+            out[position : position + run.numel].copy_(self.shards[run.group][run.offset : run.offset + run.numel])
+            position += run.numel
+        return out
 
     @torch.no_grad()
     def refresh(self) -> None:
         for shard, group in zip(self.shards, self.groups):
             if shard is group.master:
-                continue  # fp32: the shard is the master itself
+                continue  # gathers read the master itself
             transfer = group.host_transfer
             if transfer is None:
                 shard.copy_(group.master)
@@ -223,6 +242,13 @@ class DeviceShards(ShardStorage):
             for lo in range(0, shard.numel(), step):
                 hi = min(lo + step, shard.numel())
                 shard[lo:hi].copy_(transfer.upload(group.master[lo:hi], shard.dtype))
+
+    def nbytes(self) -> dict[str, int]:
+        out = dict.fromkeys(LOCATIONS, 0)
+        out[self.location] = sum(
+            s.numel() * s.element_size() for s, g in zip(self.shards, self.groups) if s is not g.master
+        )
+        return out
 
 
 class HostShards(ShardStorage):
