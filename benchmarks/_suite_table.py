@@ -15,7 +15,7 @@ from _suite_engines import PEER_COLUMNS, parse_engine, peer_of
 Result = dict[str, Any]
 
 HEADERS = (
-    "engine", "tokens/s/GPU", "MFU", "step ms", "fwd ms", "bwd ms", "opt ms", "peak GiB",
+    "engine", "tokens/s/GPU", "MFU", "step ms", "fwd ms", "bwd ms", "opt ms", "peak GiB", "est. GiB",
     *(f"{kind} vs {peer}" for peer in PEER_COLUMNS for kind in ("tok/s", "mem")),
 )
 _STATUS_LABEL = {"oom": "OOM", "failed": "failed", "skipped": "skipped", "timeout": "timeout"}
@@ -55,6 +55,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _estimate(r: Result) -> str:
+    """partita's own prediction of the peak (``partita estimate``), for partita rows."""
+    value = r.get("predicted_peak_gib")
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "—"
+
+
 def table_rows(results: list[Result]) -> list[list[str]]:
     """One row of cells per result (results must carry ``ratios`` from :func:`add_ratios`)."""
     rows = []
@@ -62,14 +68,14 @@ def table_rows(results: list[Result]) -> list[list[str]]:
         if r["status"] != "ok":
             peak = r.get("peak_gib")
             peak_cell = f"{peak:.2f} at OOM" if r["status"] == "oom" and peak is not None else "—"
-            rows.append([r["engine"], _STATUS_LABEL[r["status"]], "—", "—", "—", "—", "—", peak_cell]
+            rows.append([r["engine"], _STATUS_LABEL[r["status"]], "—", "—", "—", "—", "—", peak_cell, _estimate(r)]
                         + ["—"] * (2 * len(PEER_COLUMNS)))
             continue
         cells = [
             r["engine"], f"{r['tokens_per_s_per_gpu']:,.0f}",
             "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}", f"{r['optimizer_ms']:.1f}",
-            f"{r['peak_gib']:.2f}",
+            f"{r['peak_gib']:.2f}", _estimate(r),
         ]
         for column in PEER_COLUMNS:
             ratio = r["ratios"][column]

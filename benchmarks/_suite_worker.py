@@ -181,6 +181,7 @@ def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any) 
         if spec.offload:
             cfg["zero_optimization"]["offload_optimizer"] = {
                 "device": "cpu", "pin_memory": cuda, "delayed_param_update": spec.offload == "delayed"}
+        args.predicted_peak_gib = _predicted_peak_gib(model, cfg)
         engine, _, _, _ = partita.initialize(model=model, config=cfg)
     else:
         import deepspeed
@@ -203,6 +204,24 @@ def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any) 
         return engine(x, y)[1]
 
     return engine_forward, engine.backward, engine.step
+
+
+def _predicted_peak_gib(model: Any, cfg: dict) -> float | str:
+    """partita's own estimate of this run's per-rank peak (``partita estimate``), to record beside
+    the measured one; a failure is reported as text, never fatal to the benchmark."""
+    import torch.distributed as dist
+
+    from partita.estimate import GPTShape, Setup, estimate_memory
+
+    try:
+        c = model.config
+        shape = GPTShape(d_model=c.n_embd, n_layers=c.n_layer, n_heads=c.n_head, vocab=c.vocab_size,
+                         seq_len=c.block_size, bias=c.bias, dropout=c.dropout)
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        setup = Setup.from_config(cfg, world_size=world)
+        return estimate_memory(shape, setup, micro_batch=cfg["train_micro_batch_size_per_gpu"]).peak_accelerator / 2**30
+    except Exception as error:  # noqa: BLE001 - the measurement matters more than the estimate
+        return f"estimate failed: {type(error).__name__}: {error}"
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -294,5 +313,6 @@ def run_worker(args: argparse.Namespace) -> None:
             "forward_ms": fwd_ms, "backward_ms": bwd_ms, "optimizer_ms": opt_ms,
             "mfu": tps / world * flops_per_token / (args.peak_tflops * 1e12) if cuda else None,
             "peak_gib": float(peak), "final_loss": float(loss.detach()),
+            "predicted_peak_gib": getattr(args, "predicted_peak_gib", None),
         })
     dist.destroy_process_group()
