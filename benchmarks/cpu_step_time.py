@@ -18,6 +18,13 @@ round, with its share of foreign load, is kept in the details table and the JSON
 
 Plain torch DDP runs at stage 0 as a third row: the floor a stage-0 engine can reach.
 
+``--offload`` adds ZeRO-Offload (``offload_optimizer: {"device": "cpu"}``) at stages 1-3 to the
+same rounds: partita, partita with ``delayed_param_update``, and DeepSpeed (which then steps
+with its own ``DeepSpeedCPUAdam``). The runs without offload stay in as the baseline, so the
+offload cost of each engine is a ratio of launches minutes apart. On a CPU-only machine the
+"device" is the host: this measures the transfer machinery and the host optimizer kernel, not
+PCIe traffic.
+
 Results: a JSON file under ``benchmarks/results/`` and a dated section appended to
 ``docs/performance.md`` (date, hardware, versions, the exact command, the table). DeepSpeed is a
 benchmark-only dependency: install it into the benchmark environment (see docs/performance.md),
@@ -61,8 +68,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="timed steps per launch")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per launch")
     p.add_argument("--rounds", type=int, default=7, help="launches per engine and stage, interleaved")
+    p.add_argument("--offload", action="store_true",
+                   help="also measure optimizer offload to CPU at stages 1-3: partita, partita with "
+                        "delayed_param_update, DeepSpeed; the runs without offload stay as the baseline")
     p.add_argument("--ds-torch-adam", action="store_true",
-                   help="DeepSpeed with torch.optim.AdamW instead of its compiled CPU FusedAdam")
+                   help="DeepSpeed with torch.optim.AdamW instead of its compiled CPU FusedAdam (with --offload: "
+                        "instead of DeepSpeedCPUAdam, through \"zero_force_ds_cpu_optimizer\": false)")
     p.add_argument("--nice", type=int, default=0,
                    help="niceness for the launches (negative needs root): shields the measurement from other "
                         "jobs on a shared machine; the same for every engine")
@@ -92,7 +103,23 @@ def partita_importable() -> str | None:
     return None if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
 
 
-def launch(engine: str, stage: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+# Offload variants: (worker flags, label). "none" is the plain run every other variant is set against.
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "none": ([], "no offload"),
+    "cpu": (["--offload", "cpu"], "offload cpu"),
+    "cpu+delayed": (["--offload", "cpu", "--delayed-update"], "offload cpu + delayed update"),
+}
+
+
+def variants_for(engine: str, stage: int, offload: bool) -> list[str]:
+    """Which variants an engine runs at a stage: offload needs ZeRO 1-3, and the delayed update
+    is partita's alone (DeepSpeed has no such option)."""
+    if not offload or engine == "ddp" or stage == 0:
+        return ["none"]
+    return ["none", "cpu", "cpu+delayed"] if engine == "partita" else ["none", "cpu"]
+
+
+def launch(engine: str, stage: int, variant: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """Run one configuration under torchrun; return the worker's measurements or the error."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"  # one core per process, the same for every engine
@@ -103,10 +130,10 @@ def launch(engine: str, stage: int, args: argparse.Namespace, log_dir: Path) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER),
            "--engine", engine, "--stage", str(stage), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--out", str(out)]
+           "--out", str(out), *VARIANTS[variant][0]]
     if engine == "deepspeed" and args.ds_torch_adam:
         cmd.append("--ds-torch-adam")
-    log = log_dir / f"{engine}-stage{stage}.log"
+    log = log_dir / f"{engine}-stage{stage}{'' if variant == 'none' else '-' + variant}.log"
     waited = wait_until_quiet(threshold=args.quiet_below, max_wait_s=args.quiet_wait) if args.quiet_wait > 0 else 0.0
     load_before = os.getloadavg()[0]
     busy0, mine0 = cpu_busy_seconds(), children_cpu_seconds()
@@ -133,16 +160,19 @@ def launch(engine: str, stage: int, args: argparse.Namespace, log_dir: Path) -> 
         tail = log.read_text().splitlines()[-40:]
         result = {"engine": engine, "stage": stage, "error": f"exit {rc}", "log_tail": tail}
     out.unlink(missing_ok=True)
-    result.update(wall_s=wall, loadavg_1m_before=load_before, foreign_cpu=max(foreign, 0.0), quiet_wait_s=waited)
+    result.update(variant=variant, wall_s=wall, loadavg_1m_before=load_before, foreign_cpu=max(foreign, 0.0), quiet_wait_s=waited)
     return result
 
 
-def summarize(runs: list[dict[str, Any]], *, max_foreign: float) -> dict[tuple[str, int], dict[str, Any]]:
-    """Per (engine, stage): the median of each round, the fastest clean round (other jobs took at
+Key = tuple[str, int, str]  # (engine, stage, offload variant)
+
+
+def summarize(runs: list[dict[str, Any]], *, max_foreign: float) -> dict[Key, dict[str, Any]]:
+    """Per (engine, stage, variant): the median of each round, the fastest clean round (other jobs took at
     most ``max_foreign`` of the CPUs; all rounds when none is clean), and all steps pooled."""
-    table: dict[tuple[str, int], dict[str, Any]] = {}
+    table: dict[Key, dict[str, Any]] = {}
     for r in runs:
-        key = (r["engine"], r["stage"])
+        key = (r["engine"], r["stage"], r.get("variant", "none"))
         row = table.setdefault(key, {"step_s": [], "round_ms": {}, "round_foreign": {}, "errors": [], "final_loss": [],
                                      "phases": []})
         if "error" in r:
@@ -154,6 +184,7 @@ def summarize(runs: list[dict[str, Any]], *, max_foreign: float) -> dict[tuple[s
         row["final_loss"].append(r["loss_curve"][-1])
         row["phases"].append((median_ms(r["forward_s"]), median_ms(r["backward_s"]), median_ms(r["optimizer_step_s"])))
         row["peak_rss_mib"] = r["peak_rss_mib"]
+        row["optimizer_class"] = r.get("optimizer_class", "?")
     for row in table.values():
         if row["step_s"]:
             row["median_ms"] = median_ms(row["step_s"])
@@ -166,51 +197,88 @@ def summarize(runs: list[dict[str, Any]], *, max_foreign: float) -> dict[tuple[s
     return table
 
 
-def paired_ratios(table: dict[tuple[str, int], dict[str, Any]], stage: int) -> list[float]:
-    """partita / DeepSpeed per round. The two launches of a round run back to back, so each
+def round_ratios(table: dict[Key, dict[str, Any]], num: Key, den: Key) -> list[float]:
+    """``num`` / ``den`` per round. The launches of a round run minutes apart at most, so each
     ratio compares them under nearly the same machine load; their median is the headline ratio."""
-    prow, drow = table.get(("partita", stage), {}), table.get(("deepspeed", stage), {})
-    p, d = prow.get("round_ms", {}), drow.get("round_ms", {})
-    both = [k for k in sorted(p) if k in d]
-    clean = [k for k in both if k in prow["clean_rounds"] and k in drow["clean_rounds"]]
-    return [p[k] / d[k] for k in (clean or both)]
+    nrow, drow = table.get(num, {}), table.get(den, {})
+    n, d = nrow.get("round_ms", {}), drow.get("round_ms", {})
+    both = [k for k in sorted(n) if k in d]
+    clean = [k for k in both if k in nrow["clean_rounds"] and k in drow["clean_rounds"]]
+    return [n[k] / d[k] for k in (clean or both)]
 
 
-def render_table(table: dict[tuple[str, int], dict[str, Any]], stages: list[int]) -> str:
-    """Markdown table; ratio = partita / DeepSpeed (below 1.00 means partita is faster)."""
+def paired_ratios(table: dict[Key, dict[str, Any]], stage: int, variant: str = "none") -> list[float]:
+    """partita / DeepSpeed per round, both in the same offload variant."""
+    return round_ratios(table, ("partita", stage, variant), ("deepspeed", stage, variant))
 
-    def cell(engine: str, stage: int) -> str:
-        row = table.get((engine, stage))
-        if row is None:
-            return "-"
-        if "best_ms" not in row:
-            return "failed"
-        return f"{row['best_ms']:.1f}"
 
-    def loss(engine: str, stage: int) -> str:
-        row = table.get((engine, stage))
-        return f"{row['final_loss'][-1]:.5f}" if row and row["final_loss"] else "-"
+def _cell(table: dict[Key, dict[str, Any]], key: Key) -> str:
+    row = table.get(key)
+    if row is None:
+        return "-"
+    if "best_ms" not in row:
+        return "failed"
+    return f"{row['best_ms']:.1f}"
 
-    lines = ["| ZeRO stage | partita ms/step | DeepSpeed ms/step | ratio partita/DS (median of rounds) "
-             "| ratio per round | torch DDP ms/step | final loss partita / DS |",
-             "|---|---|---|---|---|---|---|"]
+
+def _loss(table: dict[Key, dict[str, Any]], key: Key) -> str:
+    row = table.get(key)
+    return f"{row['final_loss'][-1]:.5f}" if row and row["final_loss"] else "-"
+
+
+def render_table(table: dict[Key, dict[str, Any]], stages: list[int]) -> str:
+    """Markdown table; ratio = partita / DeepSpeed (below 1.00 means partita is faster). With
+    offload variants in the run, one row per stage and variant and an "offload" column."""
+    variants = [v for v in VARIANTS if any(k[2] == v for k in table)]
+    with_offload = variants != ["none"]
+    lines = ["| ZeRO stage | " + ("offload | " if with_offload else "") + "partita ms/step | DeepSpeed ms/step "
+             "| ratio partita/DS (median of rounds) | ratio per round | torch DDP ms/step | final loss partita / DS |",
+             "|---|---|---|---|---|---|---|" + ("---|" if with_offload else "")]
     for stage in stages:
-        ratios = paired_ratios(table, stage)
-        ratio = f"**{statistics.median(ratios):.3f}**" if ratios else "-"
-        per_round = ", ".join(f"{x:.2f}" for x in ratios) or "-"
-        ddp = cell("ddp", stage) if stage == 0 else "n/a"
-        lines.append(f"| {stage} | {cell('partita', stage)} | {cell('deepspeed', stage)} | {ratio} | {per_round} "
-                     f"| {ddp} | {loss('partita', stage)} / {loss('deepspeed', stage)} |")
+        for variant in variants:
+            p, d = ("partita", stage, variant), ("deepspeed", stage, variant)
+            if p not in table and d not in table:
+                continue
+            ratios = paired_ratios(table, stage, variant)
+            ratio = f"**{statistics.median(ratios):.3f}**" if ratios else "-"
+            per_round = ", ".join(f"{x:.2f}" for x in ratios) or "-"
+            ddp = _cell(table, ("ddp", stage, variant)) if stage == 0 else "n/a"
+            ds = _cell(table, d) if d in table or variant != "cpu+delayed" else "n/a (no such option)"
+            label = f"{VARIANTS[variant][1]} | " if with_offload else ""
+            lines.append(f"| {stage} | {label}{_cell(table, p)} | {ds} | {ratio} | {per_round} "
+                         f"| {ddp} | {_loss(table, p)} / {_loss(table, d)} |")
     return "\n".join(lines)
 
 
-def render_details(table: dict[tuple[str, int], dict[str, Any]]) -> str:
+def render_offload_cost(table: dict[Key, dict[str, Any]], stages: list[int]) -> str:
+    """Each offload variant against the same engine without offload, per round: what turning
+    offload on costs that engine (above 1.00: slower)."""
+    lines = ["| engine | ZeRO stage | offload | ms/step | without offload ms/step | ratio to without (median of rounds) "
+             "| ratio per round | optimizer that steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for stage in stages:
+        for (engine, s, variant), row in table.items():
+            if s != stage or variant == "none":
+                continue
+            base = (engine, stage, "none")
+            ratios = round_ratios(table, (engine, stage, variant), base)
+            ratio = f"**{statistics.median(ratios):.3f}**" if ratios else "-"
+            lines.append(f"| {engine} | {stage} | {VARIANTS[variant][1]} | {_cell(table, (engine, stage, variant))} "
+                         f"| {_cell(table, base)} | {ratio} | {', '.join(f'{x:.2f}' for x in ratios) or '-'} "
+                         f"| {row.get('optimizer_class', '?')} |")
+    return "\n".join(lines)
+
+
+def render_details(table: dict[Key, dict[str, Any]]) -> str:
     """Per-round medians, all steps pooled, and the phase split (rank 0, no barriers between
     phases): where the time goes."""
     lines = ["| engine | stage | median ms per round (CPU share other jobs took) | all steps median ms | forward / backward / step ms (rank 0) "
              "| peak RSS MiB/rank |",
              "|---|---|---|---|---|---|"]
-    for (engine, stage), row in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    order = list(VARIANTS)
+    for (engine, stage, variant), row in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0], order.index(kv[0][2]))):
+        if variant != "none":
+            engine = f"{engine} ({VARIANTS[variant][1]})"
         if "median_ms" not in row:
             lines.append(f"| {engine} | {stage} | failed: {row['errors'][0]['error']} | | | |")
             continue
@@ -221,25 +289,34 @@ def render_details(table: dict[tuple[str, int], dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(meta: dict[str, Any], table_md: str, details_md: str) -> str:
+def docs_section(meta: dict[str, Any], table_md: str, details_md: str, offload_md: str = "") -> str:
     hw = meta["hardware"]
     size = meta["model"]
     ds_adam = ("torch.optim.AdamW (`\"torch_adam\": true`)" if meta["ds_torch_adam"]
                else "its own CPU `FusedAdam` op (JIT-built C++ with g++/ninja on first use)")
     nice = f"; benchmark processes run at nice {meta['nice']} to shield them from other jobs" if meta["nice"] else ""
+    stages = "/".join(map(str, meta.get("stages", [0, 1, 2])))
+    offload = ""
+    if meta.get("offload"):
+        ds_offload = ("torch.optim.AdamW (`\"zero_force_ds_cpu_optimizer\": false`)" if meta["ds_torch_adam"]
+                      else "its `DeepSpeedCPUAdam` (JIT-built AVX C++)")
+        offload = (f"\n- Offload: `\"offload_optimizer\": {{\"device\": \"cpu\"}}` at stages 1-3, other keys at their "
+                   f"defaults; partita steps the host partition with torch's fused AdamW, DeepSpeed with {ds_offload}; "
+                   f"on a CPU-only machine the \"device\" is the host, so this measures offload's transfer "
+                   f"machinery and host optimizer kernel, not PCIe traffic")
     return f"""
-## CPU step time, ZeRO 0/1/2, {meta['nproc']} processes — {meta['date']}
+## CPU step time, ZeRO {stages}{' with and without optimizer offload' if meta.get('offload') else ''}, {meta['nproc']} processes — {meta['date']}
 
 - Command: `{meta['command']}`
 - partita commit: `{meta['partita_commit']}`; torch {meta['versions']['torch']}, DeepSpeed {meta['versions']['deepspeed']}, Python {meta['versions']['python']}
 - Hardware: {hw.get('Model name', '?')}, {hw.get('CPU(s)', hw['nproc'])} cores ({hw.get('simd', '')}), {hw.get('memory_gib', '?')} GiB, hypervisor {hw.get('Hypervisor vendor', 'none')}; 1-min load average before the runs {meta['loadavg_start']:.1f}, after {meta['loadavg_end']:.1f}
 - Model: reference GPT (`partita.models.gpt.GPT`), n_layer {size['n_layer']}, n_head {size['n_head']}, n_embd {size['n_embd']}, block {size['block_size']}, vocab {size['vocab_size']}, {meta['params'] / 1e6:.2f} M parameters; micro-batch {size['micro_batch']} per rank, fp32, AdamW (lr 3e-4, wd 0.1), gradient clipping 1.0, reduce/allgather buckets 5e8; stdlib byte corpus, same seed and windows for every engine
-- Launch: `torchrun --nproc_per_node {meta['nproc']}`, gloo, OMP_NUM_THREADS=1; DeepSpeed with DS_ACCELERATOR=cpu and {ds_adam}; torch DDP with fused AdamW
+- Launch: `torchrun --nproc_per_node {meta['nproc']}`, gloo, OMP_NUM_THREADS=1; DeepSpeed with DS_ACCELERATOR=cpu and {ds_adam}; torch DDP with fused AdamW{offload}
 - Timing: forward + backward + step between two barriers; {meta['warmup']} warm-up steps dropped; {meta['steps']} timed steps per launch, {meta['rounds']} interleaved rounds. ms/step = median step of the fastest round (other jobs on a shared machine only add time); ratio = median over rounds of partita/DeepSpeed from back-to-back launches; both leave out rounds during which other jobs took more than {100 * meta['max_foreign']:.0f}% of the CPUs (measured from /proc/stat); all rounds, with that share, below{nice}
 - Raw results: `{meta['results_file']}`
 
 {table_md}
-
+{offload_md}
 {details_md}
 """
 
@@ -273,19 +350,20 @@ def main() -> None:
         engines.remove("deepspeed")
         print("deepspeed skipped: not installed", flush=True)
 
-    plan = [(e, s) for s in args.stages for e in engines if not (e == "ddp" and s != 0)]
     load_start = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for stage in args.stages:
-            order = [e for e in engines if (e, stage) in plan]
+            order = [(e, v) for e in engines if not (e == "ddp" and stage != 0)
+                     for v in variants_for(e, stage, args.offload)]
             k = rnd % max(len(order), 1)
-            for engine in order[k:] + order[:k]:  # rotate who goes first each round
-                r = launch(engine, stage, args, log_dir)
+            for engine, variant in order[k:] + order[:k]:  # rotate who goes first each round
+                r = launch(engine, stage, variant, args, log_dir)
                 r["round"] = rnd
                 runs.append(r)
                 status = f"{median_ms(r['step_s']):.1f} ms/step" if "error" not in r else r["error"]
-                print(f"round {rnd} stage {stage} {engine:9s} {status}  (other jobs used {100 * r['foreign_cpu']:.0f}% of the CPUs"
+                name = engine if variant == "none" else f"{engine} ({VARIANTS[variant][1]})"
+                print(f"round {rnd} stage {stage} {name:9s} {status}  (other jobs used {100 * r['foreign_cpu']:.0f}% of the CPUs"
                       f"; waited {r['quiet_wait_s']:.0f} s for quiet)", flush=True)
                 if "error" in r:
                     print("\n".join("    " + line for line in r["log_tail"][-15:]), flush=True)
@@ -295,6 +373,7 @@ def main() -> None:
 
     table = summarize(runs, max_foreign=args.max_foreign)
     table_md, details_md = render_table(table, args.stages), render_details(table)
+    offload_md = render_offload_cost(table, args.stages) if args.offload else ""
     ok = next((r for r in runs if "error" not in r), None)
     stamp = f"{started:%Y%m%dT%H%M%SZ}"
     results_file = args.results_dir / f"cpu_step_time-{stamp}.json"
@@ -307,7 +386,7 @@ def main() -> None:
         "model": size_dict(ModelSize()),
         "params": ok["params"] if ok else 0,
         "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-        "ds_torch_adam": args.ds_torch_adam, "nice": args.nice, "max_foreign": args.max_foreign,
+        "ds_torch_adam": args.ds_torch_adam, "offload": args.offload, "stages": args.stages, "nice": args.nice, "max_foreign": args.max_foreign,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
         "skipped": skipped,
         "results_file": os.path.relpath(results_file, REPO),
@@ -318,13 +397,16 @@ def main() -> None:
     print()
     print(table_md)
     print()
+    if offload_md:
+        print(offload_md)
+        print()
     print(details_md)
     for engine, err in skipped.items():
         print(f"\n{engine} not measured: {err}")
     print(f"\nresults: {results_file}")
     if not args.no_docs:
         ensure_docs_header()
-        section = docs_section(meta, table_md, details_md)
+        section = docs_section(meta, table_md, details_md, offload_md + "\n" if offload_md else "")
         if skipped:
             section += "\nNot measured: " + "; ".join(f"{e}: {err}" for e, err in skipped.items()) + "\n"
         with open(DOCS, "a") as f:

@@ -3,7 +3,8 @@
 Usage (the driver builds this command; run by hand only to debug one configuration):
 
     OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] torchrun --nproc_per_node 2 benchmarks/cpu_step_worker.py \
-        --engine {partita,deepspeed,ddp} --stage {0,1,2,3} --steps 20 --warmup 5 --out result.json
+        --engine {partita,deepspeed,ddp} --stage {0,1,2,3} [--offload cpu [--delayed-update]] --steps 20 --warmup 5 \
+        --out result.json
 
 What is timed: one full optimizer step -- forward, backward, ``step`` -- between two
 ``torch.distributed.barrier`` calls, so a step counts as done only when both ranks are done (the
@@ -34,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ModelSize, training_config  # noqa: E402
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, float, float, float]]
+# Facts an engine's setup learns that belong in the result (which optimizer class really steps).
+SETUP_INFO: dict[str, str] = {}
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +49,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--ds-torch-adam", action="store_true",
                    help="DeepSpeed: use torch.optim.AdamW instead of its own compiled CPU FusedAdam")
+    p.add_argument("--offload", choices=("none", "cpu"), default="none",
+                   help="zero_optimization.offload_optimizer.device (stages 1-3; ZeRO-Offload)")
+    p.add_argument("--delayed-update", action="store_true",
+                   help="partita only: offload_optimizer.delayed_param_update (one-step-delayed update)")
     p.add_argument("--out", required=True, help="JSON file rank 0 writes its measurements to")
     return p.parse_args()
 
@@ -92,6 +99,9 @@ def setup_partita(model: torch.nn.Module, cfg: dict) -> StepFn:
     import partita
 
     engine, _, _, _ = partita.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    inner = engine.optimizer.inner  # the torch optimizer stepping the fp32 master partitions
+    fused = inner.param_groups[0].get("fused")
+    SETUP_INFO["optimizer_class"] = type(inner).__name__ + (" (fused)" if fused else "")
     return _timed_engine_step(engine)
 
 
@@ -100,9 +110,14 @@ def setup_deepspeed(model: torch.nn.Module, cfg: dict, *, torch_adam: bool) -> S
 
     if torch_adam:
         cfg["optimizer"]["params"]["torch_adam"] = True
+        if cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none":
+            # DeepSpeed refuses any optimizer but its CPU Adam with offload unless told otherwise.
+            cfg["zero_force_ds_cpu_optimizer"] = False
     # torch.distributed is already up (gloo); DeepSpeed adopts the existing process group.
     deepspeed.init_distributed(dist_backend="gloo")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    # With offload DeepSpeed swaps in its own CPU Adam: record what it actually built.
+    SETUP_INFO["optimizer_class"] = type(engine.basic_optimizer).__name__
     return _timed_engine_step(engine)
 
 
@@ -138,6 +153,17 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     size = ModelSize()
     cfg = training_config(stage=args.stage, micro_batch=size.micro_batch)
+    if args.offload != "none":
+        if args.engine == "ddp" or args.stage == 0:
+            raise SystemExit("--offload needs a ZeRO engine at stage 1, 2 or 3")
+        # Only the device: every other offload key stays at its default, the same in both engines
+        # (pin_memory true, buffer_count 4; pinning is a no-op without a GPU in both).
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": args.offload}
+    if args.delayed_update:
+        if args.engine != "partita" or args.offload == "none":
+            raise SystemExit("--delayed-update is a partita option of CPU offload: "
+                             "use it with --engine partita --offload cpu")
+        cfg["zero_optimization"]["offload_optimizer"]["delayed_param_update"] = True
     model = build_model(size, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -189,6 +215,9 @@ def main() -> None:
             "loss_curve": loss_curve.tolist(),
             "peak_rss_mib": peak.item() / 1024.0,
             "ds_torch_adam": args.ds_torch_adam if args.engine == "deepspeed" else None,
+            "offload": args.offload,
+            "delayed_update": args.delayed_update,
+            **SETUP_INFO,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
