@@ -117,6 +117,20 @@ class Engine:
         """
         self.optimizer.finish_pending_step()
 
+    def destroy(self) -> None:
+        """End of training, as DeepSpeed's ``engine.destroy()``: land a delayed update, wait for an
+        asynchronous checkpoint save, flush and close the monitors (TensorBoard, CSV, W&B) and
+        release offload threads, pinned buffers and swap files. Every rank calls it; the engine
+        cannot train afterwards. The process group stays up (``dist.destroy_process_group()``
+        is the caller's, as in DeepSpeed)."""
+        from partita.checkpoint.save import wait_for_pending_save
+
+        self.optimizer.close()
+        wait_for_pending_save()
+        if self.zero.gatherer is not None:
+            self.zero.gatherer.close()
+        self._step_log.close()
+
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
 

@@ -214,6 +214,9 @@ class _TorchEngine:
     def train(self):
         self.module.train()
 
+    def destroy(self) -> None:
+        self.destroyed = True
+
 
 def _torch_initialize(*, model, model_parameters, training_data, config):
     from partita.data import ResumableDistributedSampler

@@ -271,3 +271,36 @@ def test_offloaded_step_is_pipelined_with_the_upload_and_exact() -> None:
     # Steps 2-4 of each offloaded run (the first step creates the state unpipelined).
     assert len(out["calls"]) == 6
     assert all(max(buckets) > 1 for buckets in out["calls"])
+
+
+def destroy_releases_offload(nvme_path: str) -> dict:
+    import os
+
+    import partita
+    from tests.tiny_models import build_model, make_batches, param_groups
+
+    model = build_model()
+    cfg = _config(2, 1, offload_optimizer={"device": "nvme", "nvme_path": nvme_path, "delayed_param_update": True},
+                  sub_group_size=64)
+    cfg["aio"] = {"block_size": 4096}
+    engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    xs, ys = make_batches(2, cfg["train_batch_size"])
+    for step in range(2):
+        engine.backward(engine(xs[step], ys[step]))
+        engine.step()
+    pending_before = optimizer.update_pending
+    files_before = sum(len(files) for _, _, files in os.walk(nvme_path))
+    transfer = optimizer.groups[0].host_transfer
+    engine.destroy()
+    return {
+        "pending": (pending_before, optimizer.update_pending),
+        "files": (files_before, sum(len(files) for _, _, files in os.walk(nvme_path))),
+        "worker_alive": transfer._worker.is_alive(),
+    }
+
+
+def test_engine_destroy_lands_the_update_and_releases_offload(tmp_path) -> None:
+    out = run_distributed(destroy_releases_offload, 1, str(tmp_path))[0]
+    assert out["pending"] == (True, False)
+    assert out["files"][0] > 0 and out["files"][1] == 0  # swap files removed
+    assert out["worker_alive"] is False

@@ -314,6 +314,18 @@ class ShardedOptimizer:
         if self.swapper is not None:
             self.swapper.release(self.inner, write_back=loaded)
 
+    def close(self) -> None:
+        """Land a delayed update and release what offload holds: the background step thread,
+        the staging workers and pools, the NVMe swap files. The optimizer cannot step afterwards."""
+        self.finish_pending_step()
+        if self._background is not None:
+            self._background.shutdown(wait=True)
+            self._background = None
+        if self.swapper is not None:
+            self.swapper.close()
+        for transfer in {id(g.host_transfer): g.host_transfer for g in self.groups if g.host_transfer}.values():
+            transfer.close()
+
     def state_dict(self) -> dict:
         self.finish_pending_step()
         self.materialize_states()
