@@ -304,3 +304,51 @@ def test_engine_destroy_lands_the_update_and_releases_offload(tmp_path) -> None:
     assert out["pending"] == (True, False)
     assert out["files"][0] > 0 and out["files"][1] == 0  # swap files removed
     assert out["worker_alive"] is False
+
+
+# ----------------------------------------------------------------------------- resume under another ratio
+
+
+def resume_across_ratios(save_dir: str) -> dict:
+    import partita
+    from tests.tiny_models import build_model, make_batches, param_groups
+
+    def engine_for(extra: dict):
+        model = build_model()
+        cfg = _config(2, 1, **extra)
+        engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        return engine, model
+
+    import torch.distributed as dist
+
+    xs, ys = make_batches(4, 8)
+
+    def train(engine, first: int, last: int) -> None:
+        rank, micro = dist.get_rank(), engine.train_micro_batch_size_per_gpu()
+        for step in range(first, last):
+            lo = rank * micro
+            engine.backward(engine(xs[step][lo : lo + micro], ys[step][lo : lo + micro]))
+            engine.step()
+
+    out = {}
+    for name, saved, resumed in (("half_to_none", _offload(ratio=0.5), {}), ("none_to_half", {}, _offload(ratio=0.5))):
+        straight, model = engine_for(saved)
+        train(straight, 0, 4)
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        first, _ = engine_for(saved)
+        train(first, 0, 2)
+        first.save_checkpoint(f"{save_dir}/{name}")
+        second, model = engine_for(resumed)
+        second.load_checkpoint(f"{save_dir}/{name}")
+        train(second, 2, 4)
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[name] = max(float((got[n] - w).norm() / w.norm().clamp_min(1e-12)) for n, w in want.items())
+        out[name + "_groups"] = (len(first.optimizer.groups), len(second.optimizer.groups))
+    return out
+
+
+def test_checkpoint_resumes_under_another_offload_ratio(tmp_path) -> None:
+    out = run_distributed(resume_across_ratios, 2, str(tmp_path))[0]
+    assert out["half_to_none_groups"] == (4, 2) and out["none_to_half_groups"] == (2, 4)
+    # The same optimizer state continues; only the grouping of the global norm's partial sums differs.
+    assert out["half_to_none"] < 1e-6 and out["none_to_half"] < 1e-6, out

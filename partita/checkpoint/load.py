@@ -300,29 +300,23 @@ def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, A
             f"the checkpoint's optimizer is {optimizer_meta['class']}, this run's is {current_class}; use the same "
             "optimizer or pass load_optimizer_states=False (weights and fp32 master weights are still loaded)"
         )
-    groups_meta = optimizer_meta["groups"]
-    if len(groups_meta) != len(engine.optimizer.groups):
-        raise CheckpointMismatchError(
-            f"the checkpoint has {len(groups_meta)} parameter groups, this run {len(engine.optimizer.groups)}; "
-            "build the same groups or pass load_optimizer_states=False"
-        )
     names = param_names(engine.module)
-    for g, group in enumerate(engine.optimizer.groups):
-        moved = [names[p] for p in group.params if optimizer_meta["params"][names[p]]["group"] != g]
-        if moved:
-            raise CheckpointMismatchError(
-                f"parameters {_few(moved)} are in param group {g} now but were in another group when saved; "
-                "build the same groups or pass load_optimizer_states=False"
-            )
+    saved_of = _saved_groups(engine, optimizer_meta, names, tensor_of)
+    groups_meta = optimizer_meta["groups"]
     current = inner.state_dict()
     new_state: dict[int, dict[str, Any]] = {}
     new_groups = []
-    for g, (group, group_meta) in enumerate(zip(engine.optimizer.groups, groups_meta)):
+    for g, group in enumerate(engine.optimizer.groups):
         (index,) = current["param_groups"][g]["params"]
+        saved = saved_of[g]
+        group_meta = groups_meta[saved]
         state = _sharded_state(engine, reader, optimizer_meta, g, group_meta, names)
-        state.update(decode(group_meta["scalar_state"], tensor=tensor_of))
+        # A private copy per group: parts of one saved group (ratio < 1) must not share a step
+        # tensor, which torch increments in place once per parameter.
+        scalars = decode(group_meta["scalar_state"], tensor=tensor_of)
+        state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
         if group_meta["local_state"]:
-            state.update(_local_state(engine, reader, meta, g, group_meta))
+            state.update(_local_state(engine, reader, meta, g, group_meta, saved=saved))
         if state:
             new_state[index] = state
         hyper = decode(group_meta["hyperparameters"], tensor=tensor_of)
@@ -331,6 +325,58 @@ def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, A
         new_groups.append({**hyper, "params": [index]})
     inner.load_state_dict({"state": new_state, "param_groups": new_groups})
     engine.optimizer.release_states(loaded=True)  # NVMe optimizer offload: into the swap files
+
+
+def _saved_groups(
+    engine: Engine, optimizer_meta: dict[str, Any], names: dict[torch.nn.Parameter, str], tensor_of
+) -> list[int]:
+    """For each ZeRO group of this run, the saved group whose hyperparameters and scalar state
+    it takes.
+
+    Groups match by the user's param group they come from (``source``), not by position:
+    ``offload_optimizer.ratio`` < 1 cuts a user group into a host and a device part, and a
+    checkpoint must resume under another ratio. Parts of one user group hold the same kind of
+    state; a saved pair whose step counts or state keys differ is refused.
+    """
+    groups_meta = optimizer_meta["groups"]
+    sources = [group_meta.get("source", i) for i, group_meta in enumerate(groups_meta)]  # older checkpoints: by position
+    chosen = []
+    for g, group in enumerate(engine.optimizer.groups):
+        saved = [optimizer_meta["params"][names[p]]["group"] for p in group.params]
+        moved = [names[p] for p, s in zip(group.params, saved) if sources[s] != group.source_index]
+        if moved:
+            raise CheckpointMismatchError(
+                f"parameters {_few(moved)} are in param group {group.source_index} now but were in another group "
+                "when saved; build the same groups or pass load_optimizer_states=False"
+            )
+        twins = sorted(set(saved))
+        kinds = {(tuple(groups_meta[s]["partition_state"]), tuple(groups_meta[s]["block_state"]),
+                  tuple(groups_meta[s]["local_state"])) for s in twins}
+        scalars = [decode(groups_meta[s]["scalar_state"], tensor=tensor_of) for s in twins]
+        if len(kinds) > 1 or any(not _same_value(scalars[0], other) for other in scalars[1:]):
+            raise CheckpointMismatchError(
+                f"param group {group.source_index} was saved as parts {twins} (offload_optimizer.ratio < 1) whose "
+                "optimizer states differ (step counts or state kinds); resume with the saved offload ratio, or pass "
+                "load_optimizer_states=False"
+            )
+        if groups_meta[twins[0]]["local_state"] and twins != [g]:
+            raise NotImplementedError(
+                f"param group {group.source_index} keeps per-rank optimizer state that cannot be regrouped; resume "
+                "with the saved offload_optimizer.ratio, or pass load_optimizer_states=False"
+            )
+        chosen.append(twins[0])
+    return chosen
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equality of decoded state values (tensors compared by value)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _check_block_size(group: ShardedParamGroup, g: int, block_size: int) -> None:
@@ -395,7 +441,9 @@ def _sharded_state(engine: Engine, reader: ShardReader, optimizer_meta: dict[str
     return state
 
 
-def _local_state(engine: Engine, reader: ShardReader, meta: dict[str, Any], g: int, group_meta: dict[str, Any]) -> dict[str, Any]:
+def _local_state(
+    engine: Engine, reader: ShardReader, meta: dict[str, Any], g: int, group_meta: dict[str, Any], *, saved: int
+) -> dict[str, Any]:
     """Optimizer state partita cannot cut per parameter (saved per rank): same layout only.
 
     8-bit state is saved per parameter now; a checkpoint holding it under ``local_state`` was
@@ -410,8 +458,8 @@ def _local_state(engine: Engine, reader: ShardReader, meta: dict[str, Any], g: i
             f"world size ({meta['world_size']}) and ZeRO stage ({meta['zero_stage']}), or pass load_optimizer_states=False"
         )
     source = shard_file_of(engine, group.shard_rank)
-    group.master.copy_(reader.tensor(source, fmt.local_state_key(g, LOCAL_MASTER)))  # padding included
-    return {key: reader.tensor(source, fmt.local_state_key(g, key)).to(group.master.device) for key in group_meta["local_state"]}
+    group.master.copy_(reader.tensor(source, fmt.local_state_key(saved, LOCAL_MASTER)))  # padding included
+    return {key: reader.tensor(source, fmt.local_state_key(saved, key)).to(group.master.device) for key in group_meta["local_state"]}
 
 
 def _load_rng(reader: ShardReader, meta: dict[str, Any]) -> None:

@@ -246,6 +246,7 @@ def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: 
         groups.append(
             {
                 "params": [names[p] for p in group.params],
+                "source": group.source_index,  # the user's param group (ratio < 1 splits one in two)
                 "hyperparameters": encode(hyper, path=f"optimizer/group{g}/hyperparameters", sink=sink),
                 "partition_state": list(kinds.element),
                 "block_state": list(kinds.block),

@@ -78,7 +78,7 @@ def apply_zero(
         else None
     )
     groups = []
-    for raw in param_groups:
+    for source_index, raw in enumerate(param_groups):
         options = {k: v for k, v in raw.items() if k != "params"}
         for part, part_transfer in _offload_split(raw["params"], order, offload.ratio, transfer):
             groups.append(
@@ -93,6 +93,7 @@ def apply_zero(
                     # ZeRO-3 frees parameter storage between uses: it must not be the master's.
                     may_alias_params=not policy.shard_parameters,
                     host_transfer=part_transfer,
+                    source_index=source_index,
                 )
             )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])

@@ -63,8 +63,12 @@ class ShardedParamGroup:
         alignment: int = 1,
         may_alias_params: bool = True,
         host_transfer: HostTransfer | None = None,
+        source_index: int = 0,
     ) -> None:
         self.params = list(params)
+        # The user's param group this came from: offload_optimizer.ratio < 1 cuts one user
+        # group into two ZeRO groups, and checkpoints match groups across such cuts by it.
+        self.source_index = source_index
         self.options = dict(options)
         self.shard_rank = shard_rank
         self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards, alignment=alignment)
