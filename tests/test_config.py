@@ -228,6 +228,30 @@ def test_unknown_key_inside_optimizer_params_is_reported_with_its_path() -> None
     assert found["optimizer.params.weight_decy"].startswith("optimizer.params.weight_decy = 0.1: unknown key in 'optimizer.params'")
 
 
+def test_max_grad_norm_in_optimizer_params_points_to_gradient_clipping() -> None:
+    line = only_problem({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 1.0}}})
+    assert line == (
+        "optimizer.params.max_grad_norm = 1.0: max_grad_norm is not an optimizer parameter: remove it and set the "
+        'top-level "gradient_clipping" key instead (0 disables clipping)'
+    )
+
+
+def test_a_short_list_is_reported_once_at_its_own_path() -> None:
+    line = only_problem({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})
+    assert line == (
+        "optimizer.params.betas = [0.9]: too few items (1 item); allowed: a list of 2 items, each a number "
+        ">= 0.0 and < 1.0 (default [0.9, 0.999])"
+    )
+    assert only_problem({"optimizer": {"type": "AdamW", "params": {"betas": []}}}).startswith(
+        "optimizer.params.betas = []: too few items (0 items); allowed: a list of 2 items"
+    )
+
+
+def test_params_of_the_wrong_type_say_an_object_is_needed() -> None:
+    line = only_problem({"optimizer": {"type": "AdamW", "params": [1]}})
+    assert line == "optimizer.params = [1]: wrong type: got a list; allowed: an object (default {})"
+
+
 def test_alias_and_name_together_is_an_error() -> None:
     line = only_problem({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
     assert line == "bfloat16 = {\"enabled\": true}: 'bfloat16' is DeepSpeed's other name for 'bf16', which is also given; keep one"

@@ -123,6 +123,99 @@ def test_user_optimizer_instance_keeps_groups_and_scheduler() -> None:
     assert r["momentum"] == [0.9, 0.9] and r["weight_decay"] == [0.1, 0.0]
 
 
+LION_CLIP = 0.5
+LION_STEPS = 3
+
+
+def _engine_contract() -> dict:
+    """One world-2 run: batch-size error on every rank, zero_grad, get_lr, modes, Lion under ZeRO."""
+    import partita
+    from partita.config import ConfigError
+
+    rank = int(os.environ["RANK"])  # the process group starts inside the first initialize()
+    out: dict = {}
+    # train_batch_size 3 cannot be split over 2 ranks: every rank fails at initialize, nothing hangs.
+    no_micro = {k: v for k, v in BASE.items() if k != "train_micro_batch_size_per_gpu"}
+    try:
+        partita.initialize(model=build_model(), config={**no_micro, "train_batch_size": 3})
+        out["batch_error"] = None
+    except ConfigError as error:
+        out["batch_error"] = str(error)
+
+    # zero_grad() inside an accumulation window drops what the window accumulated so far
+    # (model .grad at stages 0/1, the fp32 partition at stage 2): the result must equal a
+    # window whose first micro-batch contributed exactly zero gradient.
+    x, y = make_batches(2, 4)
+    first, second = (x[0][2 * rank : 2 * rank + 2], y[0][2 * rank : 2 * rank + 2]), (
+        x[1][2 * rank : 2 * rank + 2], y[1][2 * rank : 2 * rank + 2])
+    for stage in (0, 1, 2):
+        params = []
+        for use_zero_grad in (True, False):
+            model = build_model()
+            cfg = {**BASE, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage}}
+            engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+            loss = engine(*first)
+            engine.backward(loss if use_zero_grad else loss * 0.0)
+            engine.step()
+            if use_zero_grad:
+                engine.zero_grad()
+            engine.backward(engine(*second))
+            engine.step()
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        out[f"zero_grad_stage{stage}"] = all(torch.equal(params[0][n], params[1][n]) for n in params[0])
+    out["lrs"] = engine.get_lr()  # one per param group: the config's lr, and the group's own
+    out["modes"] = (engine.module is model, engine.eval() is engine, model.training,
+                    engine.train() is engine, model.training)
+
+    # Lion (partita's own optimizer) sharded by ZeRO 1 and 2 equals one process on the global batch.
+    lion = {"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.01}}
+    xs, ys = make_batches(LION_STEPS, 4)
+    for stage in (1, 2):
+        model = build_model()
+        cfg = {**BASE, "optimizer": lion, "gradient_clipping": LION_CLIP, "zero_optimization": {"stage": stage}}
+        engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        for step in range(LION_STEPS):
+            engine.backward(engine(xs[step][2 * rank : 2 * rank + 2], ys[step][2 * rank : 2 * rank + 2]))
+            engine.step()
+        out[f"lion_stage{stage}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[f"lion_class{stage}"] = type(optimizer.inner).__name__
+    return out
+
+
+def _lion_reference() -> dict[str, torch.Tensor]:
+    from partita.optim.lion import Lion
+
+    model = build_model()
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups(model)]
+    opt = Lion(groups, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    xs, ys = make_batches(LION_STEPS, 4)
+    for step in range(LION_STEPS):
+        opt.zero_grad()
+        model(xs[step], ys[step]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), LION_CLIP)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_engine_contract_on_two_ranks() -> None:
+    results = run_distributed(_engine_contract, 2)
+    reference = _lion_reference()
+    for r in results:
+        assert r["batch_error"] == (
+            "train_batch_size = 3 cannot be split evenly over 2 data-parallel ranks (every rank must get the "
+            "same number of samples); use a multiple of 2, e.g. 2 or 4, or run on a number of ranks that divides 3"
+        )
+        assert r["zero_grad_stage0"] and r["zero_grad_stage1"] and r["zero_grad_stage2"]
+        assert r["lrs"] == [1e-2, 2e-2]
+        assert r["modes"] == (True, True, False, True, True)
+        for stage in (1, 2):
+            assert r[f"lion_class{stage}"] == "Lion"
+            for name, ref in reference.items():
+                got = r[f"lion_stage{stage}"][name]
+                err = float((got - ref).norm() / ref.norm())
+                assert err < 1e-5, (stage, name, err)
+
+
 def _fp16_overflow_on_one_rank() -> dict:
     import torch.distributed as dist
 

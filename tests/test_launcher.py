@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from partita.launcher.cli import main
+from partita.launcher.env_report import EXTRA_PACKAGES
 from partita.launcher.hostfile import HostfileLayout, HostSlots, hostfile_layout, parse_hostfile
 from partita.launcher.plan import RunOptions, build_torchrun_argv, resolve_plan
 from partita.launcher.slurm import SlurmAllocation, slurm_allocation
@@ -188,6 +189,21 @@ def test_cli_dry_run_and_usage_error(script: str, tmp_path: Path, capsys: pytest
     assert capsys.readouterr().err.strip() == "partita run: error: --nproc 0 must be >= 1 (processes per node)"
 
 
+def test_cli_reads_the_slurm_allocation_from_the_environment(script: str, capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # `srun --ntasks-per-node=1 partita run train.py` on node 1 of a 2-node job, no flags.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_JOB_ID": "777", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+                        "SLURM_JOB_NODELIST": "gpu[03-04]"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["run", "--dry-run", script]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=static --node-rank=1 "
+        f"--master-addr=gpu03 --master-port=20777 --max-restarts=0 {script}")
+
+
 # ----------------------------------------------------------------------------- real processes
 
 
@@ -212,6 +228,18 @@ def test_env_command_prints_versions() -> None:
     assert re.search(r"^  gloo \.+ True$", result.stdout, re.M)
     assert re.search(rf"^  python \.+ {sys.version.split()[0]} ", result.stdout, re.M)
     assert re.search(r"^  wandb \.+ ", result.stdout, re.M)
+    # Every section of the report, each optional extra with a version or "not installed".
+    headings = [line for line in result.stdout.splitlines() if not line.startswith(" ")]
+    assert headings == ["partita environment", "packages", "devices", "distributed backends", "optional extras"]
+    assert re.search(rf"^  cpu \.+ {os.cpu_count()} logical cores, torch threads \d+$", result.stdout, re.M)
+    assert re.search(r"^  CUDA available \.+ (True|False)$", result.stdout, re.M)
+    assert re.search(r"^  nccl \.+ ", result.stdout, re.M) and re.search(r"^  mpi \.+ (True|False)$", result.stdout, re.M)
+    for package in ("pydantic", "safetensors"):
+        assert re.search(rf"^  {package} \.+ \d\S*$", result.stdout, re.M), package
+    for package in EXTRA_PACKAGES:
+        assert re.search(rf"^  {package} \.+ (\d\S*|not installed) \((extra '\w+'|benchmarks only)\)$",
+                         result.stdout, re.M), package
+    assert re.search(r"^  matplotlib \.+ .* \(extra 'plot'\)$", result.stdout, re.M)
 
 
 WORKER = textwrap.dedent("""

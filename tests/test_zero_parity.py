@@ -58,18 +58,28 @@ def train_partita(configs: list[dict]) -> list[dict]:
                 engine.backward(loss)
                 engine.step()
             norms.append(engine.get_global_grad_norm())
-        state_numel = sum(t.numel() for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        states = [t for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         out.append(
             {
                 "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
                 "norms": norms,
+                # Bytes of the memory actually held, not numel of views: a master that were a
+                # slice of a whole-model buffer would pass a numel check and fail this one.
+                "master_bytes": _storage_bytes(g.master for g in optimizer.groups),
+                "state_bytes": _storage_bytes(states),
                 "master_numel": sum(g.master.numel() for g in optimizer.groups),
-                "state_numel": state_numel,
+                "state_numel": sum(t.numel() for t in states),
                 "steps": engine.global_steps,
                 "skipped": engine.skipped_steps,
             }
         )
     return out
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,7 +121,7 @@ def test_fp32_parity_every_stage(world_size: int) -> None:
 
 
 def _check_state_is_one_nth(per_rank: list[list[dict]], world: int) -> None:
-    """Master weights and Adam moments: whole model at stage 0, 1/world (+ padding) at 1 and 2."""
+    """Bytes of fp32 master weights and Adam moments: whole model at stage 0, 1/world (+ padding) at 1 and 2."""
     trainable = [p for p in build_model().parameters() if p.requires_grad]
     total = sum(p.numel() for p in trainable)
     share = sum(-(-p.numel() // world) for p in trainable)  # ceil per parameter
@@ -119,8 +129,8 @@ def _check_state_is_one_nth(per_rank: list[list[dict]], world: int) -> None:
     for rank_results in per_rank:
         for (stage, _), result in zip(STAGE_GAS, rank_results):
             expected = total if stage == 0 else share
-            assert result["master_numel"] == expected, (stage, result["master_numel"], expected)
-            assert result["state_numel"] == 2 * expected  # exp_avg + exp_avg_sq, 4 bytes each
+            assert result["master_bytes"] == 4 * expected, (stage, result["master_bytes"], 4 * expected)
+            assert result["state_bytes"] == 2 * 4 * expected, (stage, result["state_bytes"])  # exp_avg + exp_avg_sq
 
 
 def test_reduce_scatter_off_and_no_overlap_still_match() -> None:

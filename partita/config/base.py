@@ -15,6 +15,9 @@ reads while it walks the raw JSON, so no field needs a special case of its own:
   that says why it cannot be resolved.
 - ``key_aliases``: other spellings DeepSpeed accepts for a key (``"bfloat16"`` for
   ``"bf16"``), mapped to the field name.
+- ``misplaced_keys``: keys that are not settings of this section but are commonly put
+  there (``max_grad_norm`` in optimizer params), each with the explanation of where the
+  setting belongs; the loader reports that instead of a bare "unknown key".
 
 Sections whose nested model depends on a sibling value (an optimizer's ``params``
 depends on its ``type``) can override :meth:`StrictSection.nested_section` so the loader
@@ -112,6 +115,9 @@ class StrictSection(BaseModel):
     key_aliases: ClassVar[Mapping[str, str]] = {}
     """Other spellings DeepSpeed accepts, mapped to the field name."""
 
+    misplaced_keys: ClassVar[Mapping[str, str]] = {}
+    """Keys that belong elsewhere, mapped to the message saying where (see module docstring)."""
+
     @classmethod
     def nested_section(cls, key: str, raw: Mapping[str, Any]) -> type[BaseModel] | None:
         """The model that validates the object under ``key``, given this section's raw dict.
@@ -196,6 +202,8 @@ def describe_type(annotation: Any, metadata: Sequence[Any] = ()) -> str:
         count = f" of {len(args)} items" if get_origin(annotation) is tuple and len(args) > 1 else ""
         return f"a list{count}, each {inner}" + suffix
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not annotation.model_fields:  # a base whose keys depend on a sibling ("type")
+            return "an object"
         return "an object with keys " + ", ".join(repr(k) for k in annotation.model_fields)
     return _TYPE_WORDS.get(annotation, getattr(annotation, "__name__", str(annotation))) + suffix
 

@@ -210,6 +210,9 @@ def _nested_model(model: type[BaseModel], key: str, raw: Mapping[str, Any]) -> t
 
 def _unknown_key(path: str, key: str, value: Any, model: type[BaseModel] | None, section: tuple[str, ...]) -> Problem:
     where = f"in '{_join(section)}'" if section else "at the top level"
+    misplaced = getattr(model, "misplaced_keys", {}).get(key)
+    if misplaced is not None:
+        return Problem(path, misplaced, value)
     if model is None or not model.model_fields:
         # A section whose model depends on another key (optimizer params) and that does
         # not override nested_section: its valid keys are not known here.
@@ -253,6 +256,13 @@ def _from_pydantic(error: Mapping[str, Any], cleaned: Mapping[str, Any]) -> Prob
     if _is_auto(value) and (field is None or not accepts_literal(field.annotation, "auto")):
         # Pass 1 could not see this field (a section it does not walk): same explanation.
         return Problem(path, f"{AUTO_HELP}. Set a value: {allowed}", value)
+    if kind == "missing" and len(parts) > 1 and isinstance(parts[-1], int) and field is not None:
+        # A fixed-length list given too few items: pydantic names each missing index, but the
+        # user wrote the list, so report it (once) at the list's own path.
+        items = _value_at(cleaned, parts[:-1])
+        if isinstance(items, (list, tuple)):
+            count = f"{len(items)} item{'s' if len(items) != 1 else ''}"
+            return Problem(_join(parts[:-1]), f"too few items ({count}); allowed: {describe_field(field)}", items)
     if kind == "missing":
         return Problem(path, f"required key is missing; allowed: {allowed}")
     if kind in _TYPE_ERRORS:
@@ -301,6 +311,19 @@ def _resolve(
         field, models = None, []
         raw = raw.get(item) if isinstance(raw, Mapping) else None
     return parts, field, parent
+
+
+def _value_at(cleaned: Mapping[str, Any], parts: list[Any]) -> Any:
+    """The raw value at a key path (``MISSING`` when the path does not exist)."""
+    value: Any = cleaned
+    for part in parts:
+        if isinstance(part, int) and isinstance(value, (list, tuple)) and 0 <= part < len(value):
+            value = value[part]
+        elif isinstance(part, str) and isinstance(value, Mapping) and part in value:
+            value = value[part]
+        else:
+            return MISSING
+    return value
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -7,6 +7,7 @@ work on a broken install.
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from importlib import metadata
@@ -16,8 +17,16 @@ import torch.distributed as dist
 
 __all__ = ["CORE_PACKAGES", "EXTRA_PACKAGES", "env_report"]
 
-CORE_PACKAGES = ("pydantic", "numpy", "tqdm")
-EXTRA_PACKAGES = ("deepspeed", "tensorboard", "wandb", "bitsandbytes", "torchao", "safetensors")
+CORE_PACKAGES = ("pydantic", "numpy", "tqdm", "safetensors")
+# Optional packages and what needs them: pyproject's extras, and DeepSpeed for the benchmarks.
+_EXTRA_USES = {
+    "tensorboard": "extra 'monitor'",
+    "wandb": "extra 'monitor'",
+    "matplotlib": "extra 'plot'",
+    "bitsandbytes": "extra 'eight_bit'",
+    "deepspeed": "benchmarks only",
+}
+EXTRA_PACKAGES = tuple(_EXTRA_USES)
 
 
 def _row(label: str, value: object) -> str:
@@ -44,7 +53,9 @@ def _partita_version() -> str:
 
 
 def _cuda_lines() -> list[str]:
-    lines = [_row("torch CUDA build", torch.version.cuda or "none (CPU-only build)")]
+    # CPU training is first-class (gloo), so the cores and torch's intra-op threads matter too.
+    lines = [_row("cpu", f"{os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}")]
+    lines.append(_row("torch CUDA build", torch.version.cuda or "none (CPU-only build)"))
     available = torch.cuda.is_available()
     lines.append(_row("CUDA available", available))
     if not available:
@@ -89,6 +100,6 @@ def env_report() -> str:
     else:
         lines.append("  torch.distributed is not available in this torch build")
     lines.append("optional extras")
-    for name in EXTRA_PACKAGES:
-        lines.append(_row(name, _version(name) or "not installed"))
+    for name, use in _EXTRA_USES.items():
+        lines.append(_row(name, f"{_version(name) or 'not installed'} ({use})"))
     return "\n".join(lines)

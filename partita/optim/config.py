@@ -19,7 +19,7 @@ inside the section (``("type",)``, ``("params", "lr")``); the config loader turn
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -106,15 +106,22 @@ def _canonical_type(
 class _OptimizerParams(StrictSection):
     """Common base so ``OptimizerConfig.params`` has one declared type."""
 
+    # DeepSpeed refuses this key as well; say where clipping is configured. The config
+    # loader reports it from this table; the validator below covers direct validation.
+    misplaced_keys: ClassVar[Mapping[str, str]] = {
+        "max_grad_norm": (
+            "max_grad_norm is not an optimizer parameter: remove it and set the "
+            'top-level "gradient_clipping" key instead (0 disables clipping)'
+        ),
+    }
+
     @model_validator(mode="before")
     @classmethod
-    def _explain_max_grad_norm(cls, data: Any) -> Any:
-        # DeepSpeed refuses this key as well; say where clipping is configured.
-        if isinstance(data, dict) and "max_grad_norm" in data:
-            raise ValueError(
-                "max_grad_norm is not an optimizer parameter: remove it and set the "
-                'top-level "gradient_clipping" key instead (0 disables clipping)'
-            )
+    def _explain_misplaced_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, message in cls.misplaced_keys.items():
+                if key in data:
+                    raise ValueError(message)
         return data
 
 
