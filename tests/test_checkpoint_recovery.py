@@ -5,6 +5,7 @@ through ``checkpoint.resume``, and ends with exactly the parameters of an uninte
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,8 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
 def test_killed_rank_restarts_resumes_and_matches_uninterrupted_run(kill: str, tmp_path: Path, uninterrupted) -> None:
     params, log, save_dir = _launch(tmp_path, kill, kill)
     assert (tmp_path / f"{kill}.marker").exists()  # the kill happened
+    # The launcher named the dead rank (and stopped the other one) before restarting.
+    assert re.search(r"failed \(exitcode: -9\) local_rank: 1\b", log), log[-4000:]
     # Attempt 1 resumed from global_step2: the last complete checkpoint before the kill
     # (mid-save, global_step4 was being written and must have been ignored).
     assert f"resumed from {save_dir}/global_step2" in log, log[-4000:]

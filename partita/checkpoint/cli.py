@@ -86,6 +86,7 @@ def _inspect(path: Path) -> int:
 def _verify(path: Path, tag: str | None) -> int:
     from partita.checkpoint.errors import CheckpointCorruptError
     from partita.checkpoint.manifest import check_files, read_manifest, scan_tags
+    from partita.progress import progress
 
     save_dir, only = _split_dir(path)
     only = tag or only
@@ -99,20 +100,26 @@ def _verify(path: Path, tag: str | None) -> int:
     if not targets:
         print(f"{path}: no complete checkpoint to verify")
         return 1
-    bad = 0
+    manifests: list[tuple[str, Path, dict | None, list[str]]] = []
     for name, tag_dir in targets:
         try:
-            manifest = read_manifest(tag_dir)
-            problems = check_files(tag_dir, manifest, hash_names=set(manifest["files"]))
+            manifests.append((name, tag_dir, read_manifest(tag_dir), []))
         except CheckpointCorruptError as error:
-            problems = [str(error)]
-        if problems:
-            bad += 1
-            print(f"{name}: DAMAGED")
-            for problem in problems:
-                print(f"  {problem}")
-        else:
-            print(f"{name}: ok ({len(manifest['files'])} files, sizes and sha256 match)")
+            manifests.append((name, tag_dir, None, [str(error)]))
+    # Hashing reads every byte of every file: show progress, counted in files.
+    total = sum(len(manifest["files"]) for _, _, manifest, _ in manifests if manifest is not None)
+    bad = 0
+    with progress(total, desc="verify", enabled=True, interval_s=5.0) as bar:
+        for name, tag_dir, manifest, problems in manifests:
+            if manifest is not None:
+                problems = check_files(tag_dir, manifest, hash_names=set(manifest["files"]), on_file=lambda _: bar.update(1))
+            if problems:
+                bad += 1
+                bar.write(f"{name}: DAMAGED")
+                for problem in problems:
+                    bar.write(f"  {problem}")
+            else:
+                bar.write(f"{name}: ok ({len(manifest['files'])} files, sizes and sha256 match)")
     return 1 if bad else 0
 
 

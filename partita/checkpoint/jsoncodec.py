@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from partita.checkpoint.errors import CheckpointError
+from partita.checkpoint.safetensors_io import DTYPE_CODES
 
 _MARKERS = frozenset({"__tensor__", "__tuple__", "__dict__"})
 
@@ -43,6 +44,16 @@ def encode(value: Any, *, path: str, sink: dict[str, torch.Tensor]) -> Any:
         if isinstance(value, base):
             return base(value)
     if isinstance(value, torch.Tensor):
+        problem = _unstorable(value)
+        if problem is not None:
+            # Refused here, before any rank writes, rather than by the file writer later
+            # (on the background thread of an asynchronous save, that error would surface
+            # only at the next checkpoint call).
+            raise CheckpointError(
+                f"{path} is {problem}, which a checkpoint cannot hold: safetensors stores dense tensors of "
+                f"dtypes {', '.join(sorted(str(d).replace('torch.', '') for d in DTYPE_CODES))}; convert it "
+                "(.to_dense(), torch.view_as_real(), .to(torch.float32)) or keep it out of the checkpoint"
+            )
         key = path
         if key in sink:
             raise CheckpointError(f"two tensors would be stored under the key {key!r}; rename one of them")
@@ -68,6 +79,15 @@ def encode(value: Any, *, path: str, sink: dict[str, torch.Tensor]) -> Any:
         "never pickles; convert it (int(), float(), str(), .tolist(), torch.as_tensor()) or keep it out of "
         "the checkpoint"
     )
+
+
+def _unstorable(tensor: torch.Tensor) -> str | None:
+    """Why safetensors cannot store ``tensor`` (sparse layout, complex or quantised dtype), or None."""
+    if tensor.layout != torch.strided:
+        return f"a tensor with layout {tensor.layout}"
+    if tensor.dtype not in DTYPE_CODES:
+        return f"a tensor of dtype {tensor.dtype}"
+    return None
 
 
 def decode(value: Any, *, tensor: Callable[[str], torch.Tensor]) -> Any:

@@ -160,9 +160,11 @@ def _restore(
         )
         engine.zero_grad()
         if load_module_only:
+            # As DeepSpeed: weights only (no optimizer, scheduler, counters or generators), but
+            # the client_state still comes back, e.g. for a fine-tuning run that reads it.
             _masters_for_module_only(engine, reader, meta, via_master)
             engine.optimizer.write_back_params()
-            return {}
+            return decode(meta["client_state"], tensor=tensor_of)
         _check_parameters(engine, meta)
         _load_masters(engine, reader, meta)
         if load_optimizer_states:

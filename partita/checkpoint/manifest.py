@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,26 +111,40 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def check_files(tag_dir: str | os.PathLike[str], manifest: dict[str, Any], *, hash_names: set[str]) -> list[str]:
+def check_files(
+    tag_dir: str | os.PathLike[str],
+    manifest: dict[str, Any],
+    *,
+    hash_names: set[str],
+    on_file: Callable[[str], None] | None = None,
+) -> list[str]:
     """Problems with the files of a tag: every file's size is checked, the sha256 of ``hash_names`` too.
 
-    Returns human-readable problems, each naming the file; empty when all is well.
+    ``on_file(name)`` is called after each file is checked (progress bars: hashing a large
+    checkpoint reads every byte of it). Returns human-readable problems, each naming the
+    file; empty when all is well.
     """
     problems = []
     root = Path(tag_dir)
     for name, record in manifest["files"].items():
-        path = root / name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{path}: missing")
-            continue
-        if size != record["size"]:
-            problems.append(f"{path}: {size} bytes, the manifest records {record['size']} (truncated or overwritten)")
-            continue
-        if name in hash_names and file_sha256(path) != record["sha256"]:
-            problems.append(f"{path}: sha256 differs from the manifest (the file is corrupted)")
+        problem = _check_file(root / name, record, hashed=name in hash_names)
+        if problem is not None:
+            problems.append(problem)
+        if on_file is not None:
+            on_file(name)
     return problems
+
+
+def _check_file(path: Path, record: dict[str, Any], *, hashed: bool) -> str | None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path}: missing"
+    if size != record["size"]:
+        return f"{path}: {size} bytes, the manifest records {record['size']} (truncated or overwritten)"
+    if hashed and file_sha256(path) != record["sha256"]:
+        return f"{path}: sha256 differs from the manifest (the file is corrupted)"
+    return None
 
 
 @dataclass(frozen=True)
