@@ -119,16 +119,18 @@ class Engine:
 
     def destroy(self) -> None:
         """End of training, as DeepSpeed's ``engine.destroy()``: land a delayed update, wait for an
-        asynchronous checkpoint save, flush and close the monitors (TensorBoard, CSV, W&B) and
-        release offload threads, pinned buffers and swap files. Every rank calls it; the engine
-        cannot train afterwards. The process group stays up (``dist.destroy_process_group()``
-        is the caller's, as in DeepSpeed)."""
+        asynchronous checkpoint save, log the run's summary (:meth:`log_summary`: throughput since
+        warm-up and, with ``comms_logger``, the communication table), flush and close the monitors
+        (TensorBoard, CSV, W&B) and release offload threads, pinned buffers and swap files. Every
+        rank calls it; the engine cannot train afterwards. The process group stays up
+        (``dist.destroy_process_group()`` is the caller's, as in DeepSpeed)."""
         from partita.checkpoint.save import wait_for_pending_save
 
         self.optimizer.close()
         wait_for_pending_save()
         if self.zero.gatherer is not None:
             self.zero.gatherer.close()
+        self.log_summary()  # the end of training: no collective, so ranks need not be in step
         self._step_log.close()
 
     def parameters(self, recurse: bool = True):

@@ -7,7 +7,11 @@ tests read its outputs (a module-scoped fixture), so the suite spawns it once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
+import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ import torch
 
 from partita.monitor.comms_logger import CommsLogger, bus_factor
 from partita.monitor.flops_profiler import get_model_profile
+from partita.monitor.memory import memory_bytes
 from partita.monitor.mfu import achieved_tflops_per_device, model_flops_utilization, peak_tflops_for
 from partita.monitor.monitors import MissingMonitorPackageError, check_monitor_packages
 from partita.monitor.tensorboard import TensorBoardMonitor
@@ -49,14 +54,48 @@ def _count_collectives(counts: collections.Counter, sizes: collections.Counter) 
         setattr(dist, name, counting)
 
 
+class _KeepMessages(logging.Handler):
+    """Collects the messages of the logger it is attached to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _partita_log(level: int | None = logging.INFO) -> Iterator[list[str]]:
+    """The messages of the "partita" logger inside the block (it may not propagate to pytest's
+    handlers), at ``level``; None keeps the level it has (initialize's: INFO on rank 0 only)."""
+    log = logging.getLogger("partita")
+    keep, saved = _KeepMessages(), log.level
+    log.addHandler(keep)
+    if level is not None:
+        log.setLevel(level)
+    try:
+        yield keep.messages
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(saved)
+
+
+# Memory each rank reports, in GiB (current, peak): rank 0 has the most allocated, rank 1 the
+# highest peak, so the logged values are a max over ranks of each field only if both come out.
+FAKE_MEMORY_GIB = {0: (3.0, 4.0), 1: (1.0, 5.0)}
+
+
 def _monitored_run(out_dir: str) -> dict:
     import torch.distributed as dist
 
     import partita
+    import partita.step_log
 
     counts: collections.Counter = collections.Counter()
     sizes: collections.Counter = collections.Counter()
     _count_collectives(counts, sizes)
+    partita.step_log.memory_bytes = lambda device: tuple(v * 2**30 for v in FAKE_MEMORY_GIB[dist.get_rank()])
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
@@ -88,7 +127,11 @@ def _monitored_run(out_dir: str) -> dict:
         norms.append(engine.get_global_grad_norm())
         lines.append(engine._step_log.last_line)
     summary = engine.comms_summary()
+    log_summary = engine.log_summary()  # on demand
+    with _partita_log(level=None) as logged_at_destroy:
+        engine.destroy()  # the end of training: logs the run's summary
     return {
+        "logged_at_destroy": logged_at_destroy,
         "losses": losses,
         "lrs": lrs,
         "norms": norms,
@@ -99,7 +142,7 @@ def _monitored_run(out_dir: str) -> dict:
         "logged": summary.counts(),
         "logged_bytes": summary.total_bytes(),
         "summary_text": summary.format(),
-        "log_summary": engine.log_summary(),
+        "log_summary": log_summary,
         "buckets": engine.zero.reducer.num_buckets,
         "profile": engine.flops_profile(),
         "flops_per_token": engine.module.flops_per_token(seq_len=BLOCK),
@@ -154,7 +197,8 @@ def test_tensorboard_events_have_every_metric_with_the_right_values(run) -> None
     # Tokens are counted from the (batch, sequence) inputs: 16 tokens per sample. Both ranks
     # leave the profiled step 3 out (a rank that did not would add its tokens, not its samples).
     assert tb["tokens_per_sec"][s4] / tb["samples_per_sec"][s4] == pytest.approx(BLOCK, rel=1e-5)
-    assert tb["memory_peak_gib"][s4] >= tb["memory_allocated_gib"][s4] > 0.01  # RSS of a torch process
+    assert tb["memory_allocated_gib"] == {s2: 3.0, s4: 3.0}  # max over ranks (rank 0's)
+    assert tb["memory_peak_gib"] == {s2: 5.0, s4: 5.0}  # max over ranks (rank 1's)
     assert tb["elapsed_time_ms_backward"][s4] >= tb["elapsed_time_ms_backward_inner"][s4] > 0
     assert tb["elapsed_time_ms_forward"][s4] > 0 and tb["elapsed_time_ms_step"][s4] > 0
 
@@ -187,6 +231,71 @@ def test_mfu_formula_against_hand_computation() -> None:
     assert peak_tflops_for("NVIDIA H100 PCIe", "bf16") == 756.0
     assert peak_tflops_for("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 on V100
     assert peak_tflops_for("Some Future GPU", "bf16") is None
+
+
+class _Bigram(torch.nn.Module):
+    """Embedding + linear head and no ``flops_per_token`` method. Its FLOPs by hand: the head's
+    matmul, 2·d·V per token forward and 4·d·V backward (input and weight gradients) = 6·d·V."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), x.flatten())
+
+
+def _train_steps(engine, steps: int) -> dict[str, float]:
+    x = torch.randint(0, VOCAB, (MICRO, BLOCK), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.backward(engine(x))
+        engine.step()
+    return dict(engine._step_log.last_metrics)
+
+
+def _flops_sources() -> dict:
+    import partita
+
+    base = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "steps_per_print": 1}  # fmt: skip
+    out = {}
+    # No formula anywhere: the flops profiler's measurement of step 1 (left out of the rates).
+    engine, _, _, _ = partita.initialize(model=_Bigram(), config={
+        **base, "throughput": {"warmup_steps": 0, "peak_tflops": PEAK},
+        "flops_profiler": {"enabled": True, "profile_step": 0, "output_file": os.devnull},
+    })  # fmt: skip
+    out["measured"] = _train_steps(engine, 2)
+    out["measured_fpt"] = engine._step_log.flops_per_token()
+    out["profiled_train_flops"] = engine.flops_profile().train_flops
+    # The config's formula, then the API's (with a tokens-per-sample override).
+    engine, _, _, _ = partita.initialize(
+        model=_Bigram(), config={**base, "throughput": {"warmup_steps": 0, "flops_per_token": 1e6, "peak_tflops": PEAK}}
+    )
+    out["config"] = _train_steps(engine, 1)
+    engine.set_flops_per_token(3e6, tokens_per_sample=10)
+    out["api"] = _train_steps(engine, 1)
+    with pytest.raises(ValueError, match="flops per token must be > 0, got 0"):
+        engine.set_flops_per_token(0)
+    return out
+
+
+def test_tflops_and_mfu_from_the_profiler_the_config_and_the_api() -> None:
+    (r,) = run_distributed(_flops_sources, 1)
+    per_token = 6 * WIDTH * VOCAB
+    assert r["profiled_train_flops"] == per_token * MICRO * BLOCK
+    assert r["measured_fpt"] == per_token
+    for name, fpt, tokens_per_sample in (("measured", per_token, BLOCK), ("config", 1e6, BLOCK), ("api", 3e6, 10)):
+        m = r[name]
+        assert m["tokens_per_sec"] == pytest.approx(tokens_per_sample * m["samples_per_sec"], rel=1e-12), name
+        assert m["tflops_per_device"] == pytest.approx(fpt * m["tokens_per_sec"] / 1e12, rel=1e-12), name
+        assert m["mfu"] == pytest.approx(m["tflops_per_device"] / PEAK, rel=1e-12), name
+
+
+def test_memory_of_a_cpu_process_is_its_resident_set() -> None:
+    current, peak = memory_bytes(torch.device("cpu"))
+    assert 2**24 < current <= peak  # a process with torch loaded holds well over 16 MiB
 
 
 def test_csv_files_hold_the_same_series(run) -> None:
@@ -236,6 +345,9 @@ def test_comms_logger_counts_equal_the_collectives_issued(run) -> None:
     assert "reduce_scatter_tensor" in text and "busbw" in text
     assert "communication summary (rank 0" in run["ranks"][0]["log_summary"]
     assert run["ranks"][0]["log_summary"].startswith("throughput since warm-up: samples_per_sec=")
+    # engine.destroy() (the end of training) logs the same summary, on rank 0 only.
+    assert run["ranks"][0]["logged_at_destroy"] == [run["ranks"][0]["log_summary"]]
+    assert run["ranks"][1]["logged_at_destroy"] == []
 
 
 def test_flops_profile_of_the_engine_equals_flop_counter_mode(run) -> None:
@@ -285,6 +397,7 @@ def test_get_model_profile_matches_flop_counter_mode_per_module() -> None:
     assert by_name[""].params == model.num_parameters()
     text = profile.format(module_depth=1, top_modules=2, detailed=True)
     assert "depth 1: ModuleList x1" in text and "    0 (Block)" not in text  # depth 2 is cut
+    assert "module tree" in text and "module tree" not in profile.format(detailed=False)
 
 
 def test_throughput_meter_skips_warmup_and_the_excluded_step(monkeypatch) -> None:
@@ -319,6 +432,13 @@ def test_comms_logger_filters_ops_and_computes_bandwidth() -> None:
     (row,) = summary.rows
     assert row.purpose == "gradient reduction"  # debug: grouped by what the call was for
     assert row.algbw == pytest.approx(3000 / row.total_seconds)
+    # verbose: one log line per completed collective.
+    log.configure(CommsLoggerConfig(enabled=True, verbose=True))
+    with _partita_log() as messages:
+        log.finish(log.start("broadcast", 1000, t, None, "initial weights"), None)
+    assert len(messages) == 1 and messages[0].startswith("comm op: broadcast | initial weights | time (ms): ")
+    assert " | msg size: 1.00 KB | algbw (GB/s): " in messages[0]
+    assert messages[0].endswith(" | busbw (GB/s): 0.00")  # one process: nothing crosses a link
     # nccl-tests bus bandwidth factors.
     assert bus_factor("all_reduce", 8) == 2 * 7 / 8
     assert bus_factor("reduce_scatter_tensor", 4) == 3 / 4
@@ -339,12 +459,17 @@ def test_missing_monitor_package_is_a_clear_error(monkeypatch) -> None:
 
 
 def test_wandb_offline_run_is_written_without_network(tmp_path, monkeypatch) -> None:
-    from partita.monitor.wandb import WandbMonitor
+    from partita.config import load_config
+    from partita.monitor.monitors import build_monitors
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monitor = WandbMonitor(project="partita-test", group="g", team=None, run_config={"steps_per_print": 1})
+    config = load_config({"wandb": {"enabled": True, "project": "partita-test", "group": "g"}})
+    monitor = build_monitors(config, is_writing_rank=True)
+    (run,) = [m._run for m in monitor.monitors]
+    assert (run.project, run.group) == ("partita-test", "g")
+    assert dict(run.config) == {"wandb": {"enabled": True, "project": "partita-test", "group": "g"}}  # the user's config
     monitor.write_events([("Train/Samples/train_loss", 2.5, 8), ("Train/Samples/lr", 1e-3, 8)])
     monitor.write_events([("Train/Samples/train_loss", 2.25, 16)])
     monitor.close()
@@ -368,14 +493,34 @@ def _write_run(directory: Path, *, loss_offset: float) -> None:
         )
 
 
-def test_partita_plot_writes_png_files(tmp_path) -> None:
+def _spy_on_charts(monkeypatch) -> dict[str, dict]:
+    """What each saved chart draws: x label, and per panel {run label: x values}."""
+    from matplotlib.figure import Figure
+
+    drawn: dict[str, dict] = {}
+    real_savefig = Figure.savefig
+
+    def spy(fig, path, *args, **kwargs):
+        drawn[Path(path).name] = {
+            "xlabel": fig.axes[-1].get_xlabel(),
+            "panels": [{line.get_label(): list(line.get_xdata()) for line in ax.lines} for ax in fig.axes],
+        }
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return drawn
+
+
+def test_partita_plot_writes_png_files(tmp_path, monkeypatch) -> None:
     from partita.launcher.cli import main
 
+    drawn = _spy_on_charts(monkeypatch)
     _write_run(tmp_path / "zero1", loss_offset=0.0)
     _write_run(tmp_path / "zero2", loss_offset=0.1)
     tb_dir = tmp_path / "tb_only"  # a run logged by tensorboard alone is read from its event files
     writer = TensorBoardMonitor(tb_dir)
-    writer.write_events([("Train/Samples/train_loss", 2.0, 8), ("Train/Samples/train_loss", 1.5, 16)])
+    writer.write_events([("Train/Samples/train_loss", 2.0, 8), ("Train/Samples/step", 1.0, 8)])
+    writer.write_events([("Train/Samples/train_loss", 1.5, 16), ("Train/Samples/step", 2.0, 16)])
     writer.close()
     out = tmp_path / "plots"
     assert main(["plot", str(tmp_path / "zero1"), str(tmp_path / "zero2"), str(tb_dir), "-o", str(out)]) == 0
@@ -384,6 +529,30 @@ def test_partita_plot_writes_png_files(tmp_path) -> None:
     for name in files:
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    # Every run that logged a metric is a line in its panel, against optimizer steps.
+    steps = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert drawn["loss.png"] == {
+        "xlabel": "optimizer step", "panels": [{"zero1": steps, "zero2": steps, "tb_only": [1.0, 2.0]}]
+    }  # fmt: skip
+    assert drawn["memory.png"]["panels"] == [{"zero1": steps, "zero2": steps}] * 2
+    assert drawn["throughput.png"]["panels"] == drawn["grad_norm.png"]["panels"] == [{"zero1": steps, "zero2": steps}]
+
+
+def test_partita_plot_uses_samples_when_a_run_has_no_steps(tmp_path, monkeypatch) -> None:
+    from partita.monitor.plot import plot_runs
+
+    drawn = _spy_on_charts(monkeypatch)
+    _write_run(tmp_path / "zero1", loss_offset=0.0)
+    deepspeed_run = tmp_path / "deepspeed"  # DeepSpeed logs no Train/Samples/step
+    CSVMonitor(deepspeed_run).write_events([("Train/Samples/train_loss", 2.0, 8), ("Train/Samples/train_loss", 1.5, 16)])
+    with _partita_log(level=logging.WARNING) as messages:
+        plot_runs([tmp_path / "zero1", deepspeed_run], tmp_path / "plots")
+    assert messages == [
+        "partita plot: deepspeed logged no optimizer step (Train/Samples/step); plotting every run against samples trained"
+    ]
+    assert drawn["loss.png"] == {
+        "xlabel": "samples", "panels": [{"zero1": [8.0, 16.0, 24.0, 32.0, 40.0], "deepspeed": [8.0, 16.0]}]
+    }  # fmt: skip
 
 
 def test_partita_plot_reports_a_directory_without_metrics(tmp_path, capsys) -> None:

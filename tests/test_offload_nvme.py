@@ -311,6 +311,23 @@ def test_preallocation_without_fallocate_writes_zeros(tmp_path, monkeypatch):
         assert torch.equal(out, data)
 
 
+def test_large_preallocation_shows_progress_and_small_stays_silent(tmp_path, monkeypatch, capsys):
+    import partita.offload.nvme as nvme
+
+    mib = 2**20
+    sizes = {"a": (mib // 4, torch.float32), "b": (mib // 4 + 1, torch.float32)}  # files of 1 and 2 MiB
+    monkeypatch.setattr(nvme, "PROGRESS_MIN_BYTES", 3 * mib + 1)
+    with NvmeSwapStore(tmp_path, aio=_aio(block_size=mib), buffer_count=1, tag="quiet") as store:
+        store.allocate(sizes)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(nvme, "PROGRESS_MIN_BYTES", 3 * mib)
+    with NvmeSwapStore(tmp_path, aio=_aio(block_size=mib), buffer_count=1, tag="shown") as store:
+        store.allocate(sizes)
+        # Not a terminal (pytest captures stdout): one plain line at the end, no bar.
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"pre-allocating swap files in {store.swap_dir} (MiB): 3/3 (100%) [")
+
+
 # ---- NvmeSwapStore: lifecycle ------------------------------------------------------------------
 
 

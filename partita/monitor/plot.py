@@ -9,10 +9,13 @@ ZeRO-1 and ZeRO-2, or with and without offload, side by side. Needs matplotlib
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from partita.monitor.runs import RunMetrics, read_run
+
+logger = logging.getLogger("partita")
 
 # file name -> (title, [(metric, y label)]): one panel per metric that some run logged.
 CHARTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -51,6 +54,13 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *, x_axis: st
         ) from error
     runs = [read_run(d) for d in run_dirs]
     _disambiguate(runs, run_dirs)
+    if x_axis == "steps" and not all(_steps_known(run) for run in runs):
+        # One x axis for every line: a run without partita's `step` metric (e.g. logged by
+        # DeepSpeed) has samples only, and steps and samples on one axis would mislead.
+        unknown = ", ".join(run.name for run in runs if not _steps_known(run))
+        logger.warning("partita plot: %s logged no optimizer step (Train/Samples/step); plotting every run "
+                       "against samples trained", unknown)
+        x_axis = "samples"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -64,8 +74,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *, x_axis: st
             for run in runs:
                 if metric in run.series:
                     xs, ys = run.series[metric]
-                    steps = run.steps_for(xs) if x_axis == "steps" else None
-                    ax.plot(steps if steps is not None else xs, ys, label=run.name, linewidth=1.4)
+                    ax.plot(run.steps_for(xs) if x_axis == "steps" else xs, ys, label=run.name, linewidth=1.4)
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)
         axes[0].set_title(title)
@@ -75,6 +84,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *, x_axis: st
         fig.savefig(path, dpi=110)
         written.append(path)
     return written
+
+
+def _steps_known(run: RunMetrics) -> bool:
+    """Every logged point of ``run`` has its optimizer step."""
+    return all(run.steps_for(xs) is not None for xs, _ in run.series.values())
 
 
 def _disambiguate(runs: list[RunMetrics], run_dirs: Sequence[str | Path]) -> None:

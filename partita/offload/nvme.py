@@ -58,8 +58,12 @@ import torch
 
 from partita.offload.config import AioConfig
 from partita.offload.errors import NvmeConfigError, NvmeSpaceError, NvmeSwapError
+from partita.progress import progress
 
 DIRECT_ALIGNMENT = 4096  # address/length/offset alignment partita requires for O_DIRECT requests
+# Allocations at least this large show progress (rank 0): reserving tens of GiB can take minutes
+# (the zero-writing fallback, a slow or network disk); smaller ones finish before a bar is useful.
+PROGRESS_MIN_BYTES = 2**30
 
 # Private directories of the stores open in this process: two stores with the same tag would share one.
 _ACTIVE_DIRS: set[str] = set()
@@ -253,7 +257,8 @@ class NvmeSwapStore:
         Pass all keys at once at start: the free space for all of them (each file rounded up to
         ``block_size``) is checked before anything is written, and the files are then reserved on
         disk (``posix_fallocate``) so a full disk fails here, not hours into training. May be
-        called again for new keys.
+        called again for new keys. From :data:`PROGRESS_MIN_BYTES` on, rank 0 shows progress (a
+        bar in a terminal, a plain line every 10 s otherwise).
         """
         self._check_open()
         plan: list[tuple[str, int, torch.dtype, int, int]] = []
@@ -280,6 +285,11 @@ class NvmeSwapStore:
 
         created: list[str] = []
         files: dict[str, _SwapFile] = {}
+        # Counted in MiB, rounded up, so the bar ends exactly at its total.
+        mib = 2**20
+        bar = progress(-(-needed // mib), desc=f"pre-allocating swap files in {self.swap_dir} (MiB)",
+                       enabled=None if needed >= PROGRESS_MIN_BYTES else False)
+        done = 0
         try:
             for key, numel, dtype, nbytes, file_bytes in plan:
                 safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80]
@@ -292,6 +302,8 @@ class NvmeSwapStore:
                 finally:
                     os.close(fd)
                 files[key] = _SwapFile(key, path, numel, dtype, nbytes, file_bytes)
+                done += file_bytes
+                bar.update(-(-done // mib) - bar.n)
         except OSError as exc:
             for path in created:
                 try:
@@ -305,6 +317,8 @@ class NvmeSwapStore:
             raise NvmeConfigError(
                 f"{self.config_key}={self.root!r}: could not create swap files in {self.swap_dir}: {exc}"
             ) from exc
+        finally:
+            bar.close()
         with self._lock:
             self._files.update(files)
 
