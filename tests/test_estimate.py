@@ -219,7 +219,7 @@ def measure_everything(cases: list, with_total: bool, nvme_path: str | None) -> 
 
 @pytest.fixture(scope="module")
 def world_1() -> dict:
-    return run_distributed(measure_everything, 1, _CASES, True, None)[0]
+    return run_distributed(measure_everything, 1, _CASES + _OFFLOAD_CASES[:2], True, None)[0]
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ import math
 from partita.estimate.groups import ZeroGroup, alignment_of, zero_groups
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
-from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, WRITE_BACK, Line
+from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, Line
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT
 from partita.optim.eight_bit import BLOCK_SIZE
 
@@ -200,18 +200,28 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         lines.append(Line("gradients", "fp32 gradient partition", "accelerator", 4 * partition(device_groups),
                           partition_phases, kind="grad_partition"))
     if host_groups:
+        # A (pinned) host buffer reused from step to step, not freed between them
+        # (ShardedParamGroup: [Note: offloaded gradient partitions]).
         lines.append(Line("gradients", "fp32 gradient partition (offloaded)", "cpu", 4 * partition(host_groups),
-                          partition_phases))
+                          ALWAYS, note="reused from step to step"))
         if setup.delayed_param_update:
             # The background step still reads the previous step's partition while the next
-            # micro-batches fill a fresh one (ShardedOptimizer.step hands the old one over).
+            # micro-batches fill the other buffer (ShardedOptimizer.step hands the old one over).
             lines.append(Line("gradients", "previous step's fp32 gradient partition (delayed update)", "cpu",
-                              4 * partition(host_groups), ALWAYS - {WRITE_BACK}, exact=False))
+                              4 * partition(host_groups), ALWAYS))
+            # ShardedParamGroup.fill_upload_copy: the update's host cast runs on the background thread.
+            lines.append(Line("parameters", f"{setup.dtype} upload copy of the updated master (delayed update)", "cpu",
+                              d * partition(host_groups), ALWAYS))
     held = holds_grads_across_micro_batches(setup)
-    if setup.world_size == 1 or held:
+    kept = trainable
+    if setup.world_size == 1 and not held and host_groups:
+        # One rank: an offloaded group's gradients go down to the host as backward makes them
+        # (GradientReducer._on_grad_ready), so only the on-device groups' wait for its end.
+        kept = _sum(device_groups, lambda g: sum(p.numel for p in g.params))
+    if (setup.world_size == 1 or held) and kept:
         phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())
         why = "held across micro-batches" if held else "kept until the end of backward (one rank)"
-        lines.append(Line("gradients", f"full-size {setup.dtype} gradients (param.grad)", "accelerator", d * trainable,
+        lines.append(Line("gradients", f"full-size {setup.dtype} gradients (param.grad)", "accelerator", d * kept,
                           frozenset(phases), note=why, kind="full_grads"))
     if fp32_sums_active(setup):
         phases = {START_BACKWARD, BACKWARD} | ({END_BACKWARD} if setup.world_size == 1 else set())

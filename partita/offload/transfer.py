@@ -126,6 +126,47 @@ class HostTransfer:
             self.bytes_down += staging.numel() * staging.element_size()
             self._tasks.put(self._host_add(event, target[lo:hi], staging, scale, buffer))
 
+    def write_to_host(
+        self, target: torch.Tensor, source: torch.Tensor, *, scale: float, sum_of_squares: torch.Tensor | None = None
+    ) -> None:
+        """Asynchronously do ``target = scale * source`` with ``target`` in host memory.
+
+        The first gradient of a step into an offloaded partition needs no host work at all:
+        the accelerator casts ``source`` to fp32 and scales it, chunk by chunk on the side
+        stream, and the copy engine writes it straight into ``target`` (pinned, when the
+        partition is). That replaces a zero fill plus a mixed-precision add on the host,
+        which on one H200 host cost ~0.9 s per step for a 1.3 B model.
+
+        ``sum_of_squares`` (a scalar on the accelerator): the squared L2 norm of what is
+        written is added to it on the side stream, so the optimizer step needs no pass over
+        the host partition to find the gradient norm. :meth:`drain` orders the current
+        stream after these kernels. On a CPU-only machine this is a plain scaled copy.
+        """
+        if target.numel() != source.numel():
+            raise ValueError(f"write_to_host: target has {target.numel()} elements, source {source.numel()}")
+        if not self._cuda:
+            target.copy_(source)
+            if scale != 1.0:
+                target.mul_(scale)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        step = self.pool.buffer_bytes // 4  # fp32 temporaries of one staging buffer's size
+        with torch.cuda.stream(self._stream):
+            for lo in range(0, source.numel(), step):
+                hi = min(lo + step, source.numel())
+                wide = source[lo:hi].to(torch.float32)  # allocated on (and reused by) the side stream
+                if scale != 1.0:
+                    wide.mul_(scale)
+                if sum_of_squares is not None:
+                    sum_of_squares.add_(torch.dot(wide, wide))
+                target[lo:hi].copy_(wide, non_blocking=True)
+                self.bytes_down += (hi - lo) * 4
+        source.record_stream(self._stream)  # the caller may drop its reference now
+        if sum_of_squares is not None:
+            sum_of_squares.record_stream(self._stream)
+        # drain() must not return before the copies have landed in host memory.
+        self._tasks.put(self._release_after(self._event(self._stream), None))
+
     def _host_add(self, event, target, staging, scale, buffer) -> Callable[[], None]:
         def task() -> None:
             try:
@@ -146,6 +187,11 @@ class HostTransfer:
         data; staging buffers go back to the pool when their copy has finished.
         """
         out = torch.empty(source.numel(), dtype=dtype, device=self.device)
+        if source.dtype == dtype and (source.is_pinned() or not self._cuda):
+            # Already cast (the delayed update's upload copy): no staging, one asynchronous copy.
+            out.copy_(source, non_blocking=self._cuda)
+            self.bytes_up += source.numel() * out.element_size()
+            return out
         element = out.element_size()
         step = self.pool.buffer_bytes // element
         for lo in range(0, source.numel(), step):
@@ -165,16 +211,31 @@ class HostTransfer:
                 if event is not None:
                     event.synchronize()
             finally:
-                self.pool.release(buffer)
+                if buffer is not None:
+                    self.pool.release(buffer)
 
         return task
 
     # ------------------------------------------------------------------ lifecycle
 
     def drain(self) -> None:
-        """Wait until every queued copy and host add has finished; raise what failed."""
+        """Wait until every queued copy and host add has finished; raise what failed.
+
+        Also orders the current stream after the side stream, where :meth:`write_to_host`
+        accumulates the gradient's sum of squares."""
         self._tasks.join()
         self._raise_worker_error()
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def empty_host(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A host tensor the copy engine can read or write directly (pinned when the staging
+        pool is): the offloaded gradient partition, the delayed update's upload copy."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pool.pinned)
+
+    def event(self) -> torch.cuda.Event | None:
+        """An event recorded on the current stream (None without CUDA)."""
+        return self._event()
 
     def close(self) -> None:
         if self._worker.is_alive():

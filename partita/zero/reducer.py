@@ -180,13 +180,15 @@ class GradientReducer:
             if self._accumulate_in_fp32:
                 self._add_to_fp32_sum(param)
             return  # accumulate (in param.grad or the fp32 sum) until the window's last micro-batch
-        if self._world_size == 1:
+        b, i = self._bucket_of[param]
+        bucket = self._buckets[b]
+        if self._world_size == 1 and not self._groups[bucket.entries[i].group].offloaded:
             # Nothing to communicate or overlap: leave the gradient in param.grad, as plain
             # torch does, and fold everything into the fp32 partition in finish_backward,
             # once activations are freed (the fp32 partition is then allocated off-peak).
+            # An offloaded group's partition is in host memory: its download overlaps the
+            # rest of backward instead (and frees the gradient early).
             return
-        b, i = self._bucket_of[param]
-        bucket = self._buckets[b]
         if i not in bucket.pending:
             # The gradient was already packed (and maybe sent) in this backward: reentrant
             # activation checkpointing runs a nested backward per checkpointed region.
@@ -317,6 +319,8 @@ class GradientReducer:
             self._next_retire += 1
         for transfer in {id(g.host_transfer): g.host_transfer for g in self._groups if g.host_transfer}.values():
             transfer.drain()  # offloaded partitions: the host adds must be done before the step reads them
+        for group in self._groups:
+            group.finish_pass()
         self._armed = False
 
     def take_received(self) -> list[list[bool]]:

@@ -85,6 +85,15 @@ class ShardedParamGroup:
         # duration of a step: a delayed (background) step can then read one step's
         # gradients while the next backward accumulates into a fresh partition.
         self.grad_partition: torch.Tensor | None = None
+        # Offloaded groups: see [Note: offloaded gradient partitions] below.
+        self._spare_grad_buffers: list[torch.Tensor] = []
+        self._first_pass = False
+        self._written: list[tuple[int, int]] = []
+        self._sum_of_squares: torch.Tensor | None = None
+        # Delayed update: the updated master cast to the model dtype in pinned host memory.
+        self.upload_copy: torch.Tensor | None = None
+        self.upload_copy_ready = False
+        self._upload_copy_in_flight = None  # event: the last upload from it has finished
         self.load_master_from_params()
         if (
             may_alias_params
@@ -139,20 +148,99 @@ class ShardedParamGroup:
                     piece.copy_(param.detach().reshape(-1)[start:end])
                     param.data.untyped_storage().resize_(0)
 
+    # [Note: offloaded gradient partitions]
+    # An offloaded group's fp32 gradient partition is a reused (pinned) host buffer, not a
+    # fresh zero-filled tensor per step: filling and page-faulting 4 bytes/parameter of host
+    # memory every step costs more than the optimizer step itself. The first reducing pass of
+    # a step *writes* each reduced slice (cast and scaled on the accelerator, copied straight
+    # into the buffer) and records which ranges it wrote; once that pass is drained, ranges
+    # nobody wrote (padding, parameters without a gradient at world size 1) are zeroed. Later
+    # passes of the same step (gradient accumulation at stage 2) add through the staging pool.
+    # While only the first pass has written, its sum of squares (accumulated on the
+    # accelerator) is the partition's squared norm, so the step needs no host pass for it.
+    # A buffer being stepped (possibly on the delayed-update thread) is owned by that step
+    # and comes back through :meth:`recycle_grad_buffer`; at most two exist.
+
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
         """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
         target = self.ensure_grad_partition()[partition_start : partition_start + reduced.numel()]
         if self.host_transfer is not None:
-            self.host_transfer.add_to_host(target, reduced, scale=scale)  # asynchronous; drained after backward
+            # Asynchronous either way; drained after backward.
+            if self._first_pass:
+                self._written.append((partition_start, partition_start + reduced.numel()))
+                self.host_transfer.write_to_host(target, reduced, scale=scale, sum_of_squares=self._sum_of_squares)
+            else:
+                self._sum_of_squares = None  # the partition is a sum now: its norm is computed on the host
+                self.host_transfer.add_to_host(target, reduced, scale=scale)
             return
         # In-place add promotes bf16/fp16 into the fp32 target without a full-size fp32 temporary.
         target.add_(reduced, alpha=scale)
 
     def ensure_grad_partition(self) -> torch.Tensor:
-        """The fp32 gradient partition, allocated (zeros) on first use after a step."""
+        """The fp32 gradient partition, allocated (zeros) on first use after a step; for an
+        offloaded group a reused host buffer whose first pass overwrites it (see the note)."""
         if self.grad_partition is None:
-            self.grad_partition = torch.zeros_like(self.master)
+            if self.host_transfer is None:
+                self.grad_partition = torch.zeros_like(self.master)
+            else:
+                spare = self._spare_grad_buffers
+                self.grad_partition = spare.pop() if spare else self.host_transfer.empty_host(self.master.numel())
+                self._first_pass, self._written = True, []
+                device = self.params[0].device
+                self._sum_of_squares = torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
         return self.grad_partition
 
+    def finish_pass(self) -> None:
+        """End of a reducing backward whose host copies are drained: zero what the first pass
+        of an offloaded partition did not write."""
+        if not self._first_pass or self.grad_partition is None:
+            return
+        self._first_pass = False
+        end = 0
+        for lo, hi in sorted(self._written):
+            if lo < end:
+                raise RuntimeError(f"partita: partition range [{lo}, {hi}) was written twice in one backward pass")
+            if lo > end:
+                self.grad_partition[end:lo].zero_()
+            end = hi
+        if end < self.grad_partition.numel():
+            self.grad_partition[end:].zero_()
+        self._written = []
+
+    def grad_norm_sq(self, device: torch.device) -> torch.Tensor:
+        """Squared L2 norm of the gradient partition, as an fp32 scalar on ``device``."""
+        if self._sum_of_squares is not None and not self._first_pass:
+            return self._sum_of_squares.to(device)
+        return torch.linalg.vector_norm(self.grad_partition, dtype=torch.float32).square().to(device)
+
+    def take_grad_partition(self) -> torch.Tensor | None:
+        """Hand the gradient partition to an optimizer step (which gives an offloaded buffer
+        back through :meth:`recycle_grad_buffer`); the next backward starts a new one."""
+        grad, self.grad_partition = self.grad_partition, None
+        self._first_pass, self._written, self._sum_of_squares = False, [], None
+        return grad
+
+    def recycle_grad_buffer(self, grad: torch.Tensor | None) -> None:
+        """A stepped offloaded gradient buffer is free for a later step (thread-safe: list ops)."""
+        if grad is not None and self.host_transfer is not None:
+            self._spare_grad_buffers.append(grad)
+
     def zero_grad(self) -> None:
-        self.grad_partition = None
+        self.recycle_grad_buffer(self.take_grad_partition())
+
+    def fill_upload_copy(self) -> None:
+        """Cast the (offloaded) master into the pinned upload copy (on the delayed update's
+        thread: the host cast then overlaps the next step's forward and backward)."""
+        if self.upload_copy is None:
+            self.upload_copy = self.host_transfer.empty_host(self.master.numel(), self.model_dtype)
+        if self._upload_copy_in_flight is not None:
+            self._upload_copy_in_flight.synchronize()  # the previous upload may still read it
+            self._upload_copy_in_flight = None
+        self.upload_copy.copy_(self.master)
+        self.upload_copy_ready = True
+
+    def upload_copy_sent(self) -> None:
+        """The upload copy has been queued for the accelerator: it may be refilled once done."""
+        if self.upload_copy_ready:
+            self.upload_copy_ready = False
+            self._upload_copy_in_flight = self.host_transfer.event()

@@ -113,7 +113,7 @@ class ShardedOptimizer:
         local = torch.zeros((), dtype=torch.float32, device=device)
         for group in self.groups:
             if group.grad_partition is not None:  # None: nothing reduced into it (all zeros)
-                local += torch.linalg.vector_norm(group.grad_partition, dtype=torch.float32).square().to(device)
+                local += group.grad_norm_sq(device)
         if self._num_shards == 1 and self._world_size > 1 and dist.get_rank(self._process_group) != 0:
             local.zero_()  # replicated gradients: count them once, not world_size times
         flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
@@ -156,10 +156,10 @@ class ShardedOptimizer:
         if self._clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly.
             multiplier *= min(1.0, self._clip / (norm + 1e-6))
-        grads = [group.grad_partition for group in self.groups]
-        self.zero_grad()  # the next backward starts a fresh gradient partition
+        grads = [group.take_grad_partition() for group in self.groups]  # the next backward starts a new one
         if self._background is not None:
-            self._pending = (self._background.submit(self._apply_update, grads, multiplier, used), after)
+            self._pending = (self._background.submit(self._apply_update, grads, multiplier, used, cast_for_upload=True),
+                             after)
             return StepResult(applied=True, grad_norm=norm)
         if can_pipeline(self):
             self._apply_update(grads, multiplier, used, upload=True)  # stepped and written back bucket by bucket
@@ -172,12 +172,16 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _apply_update(
-        self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]], *, upload: bool = False
+        self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]], *, upload: bool = False,
+        cast_for_upload: bool = False,
     ) -> None:
         """Run the inner optimizer on the master partitions with these gradient partitions.
 
         ``upload``: ZeRO-Offload, step the offloaded groups bucket by bucket and write each
         bucket back as soon as it is stepped (partita/offload/pipelined_step.py).
+        ``cast_for_upload``: the delayed update (on the background thread) also casts each
+        offloaded master into its pinned upload copy, so that landing the update in
+        :meth:`finish_pending_step` is a plain host-to-device copy, not a host cast as well.
         """
         for group, grad in zip(self.groups, grads):
             if grad is not None and multiplier != 1.0:
@@ -191,8 +195,11 @@ class ShardedOptimizer:
         else:
             self.swapper.step(self.inner, used)
         self._restore_unused(kept)
-        for group in self.groups:
+        for group, grad in zip(self.groups, grads):
             group.master.grad = None
+            group.recycle_grad_buffer(grad)
+            if cast_for_upload and group.offloaded and not group.aliases_params:
+                group.fill_upload_copy()
 
     @property
     def update_pending(self) -> bool:
@@ -256,6 +263,7 @@ class ShardedOptimizer:
             store.refresh_shards()
         for g, group in enumerate(self.groups):
             self.write_back_group(g)
+            group.upload_copy_sent()
 
     def bucket_layout(self, g: int) -> list[Bucket]:
         """Group ``g``'s write-back (all-gather) buckets, in the order they are gathered."""
@@ -285,7 +293,10 @@ class ShardedOptimizer:
         # Cast bucket by bucket: a whole-partition low-precision copy would cost
         # another 2 bytes per parameter at the memory peak.
         mine = group.master[bucket.partition_start : bucket.partition_end]
-        if group.host_transfer is not None:
+        if group.upload_copy_ready:
+            copy = group.upload_copy[bucket.partition_start : bucket.partition_end]
+            mine = group.host_transfer.upload(copy, group.model_dtype)  # cast already: one pinned copy
+        elif group.host_transfer is not None:
             mine = group.host_transfer.upload(mine, group.model_dtype)  # cast on the host, copy asynchronously
         else:
             mine = mine.to(group.model_dtype)
