@@ -152,12 +152,14 @@ def measure_model_states(cases: list[tuple[int, str, str, int, dict | None]], nv
             partition = sum(_grad_partition(grp).untyped_storage().nbytes() for grp in engine.optimizer.groups
                             if _grad_partition(grp) is not None)
             engine.step()
+        engine.finish_pending_step()  # a delayed update: its states and upload copy exist once it lands
         opt = engine.optimizer
         # A stage-3 group whose master is on the device has no shard copy: gathers read the master.
         shards = [s for s, grp in zip(engine.zero.gatherer.shards, engine.optimizer.groups) if s is not grp.master] \
             if engine.zero.gatherer is not None else []
         # Each storage once, under the first category holding it: parameters, then the master.
-        params, counted = _storage_bytes(list(model.parameters()) + list(model.buffers()) + list(shards))
+        upload_copies = [grp.upload_copy for grp in opt.groups if grp.upload_copy is not None]  # delayed update
+        params, counted = _storage_bytes(list(model.parameters()) + list(model.buffers()) + list(shards) + upload_copies)
         master, _ = _storage_bytes([grp.master for grp in opt.groups], skip=counted)
         state_tensors = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
         states, _ = _storage_bytes(state_tensors, skip=counted | {grp.master.untyped_storage().data_ptr()
@@ -197,6 +199,11 @@ _OFFLOAD_CASES = [
     (2, "bf16", "AdamW", 1, {"offload_optimizer": {"device": "nvme", "buffer_count": 2},
                              "sub_group_size": 1000, "aio": {"block_size": 4096}}),
 ]
+# One rank with the delayed update: gradients go down during backward (none held at its end),
+# and the update's upload copy lives in host memory.
+_DELAYED_CASES = [
+    (2, "bf16", "AdamW", 1, {"offload_optimizer": {"device": "cpu", "buffer_count": 2, "delayed_param_update": True}}),
+]
 # Where stage 3 keeps its shards (partita/offload/param_offload.py): on the accelerator also for a
 # host master (a copy even in fp32), in host memory, or part in memory (max_in_cpu) and part in
 # swap files. The persistence threshold is 30: the smallest parameters are never swapped.
@@ -219,7 +226,7 @@ def measure_everything(cases: list, with_total: bool, nvme_path: str | None) -> 
 
 @pytest.fixture(scope="module")
 def world_1() -> dict:
-    return run_distributed(measure_everything, 1, _CASES + _OFFLOAD_CASES[:2], True, None)[0]
+    return run_distributed(measure_everything, 1, _CASES + _OFFLOAD_CASES[:2] + _DELAYED_CASES, True, None)[0]
 
 
 @pytest.fixture(scope="module")

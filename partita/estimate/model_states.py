@@ -214,9 +214,10 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                               d * partition(host_groups), ALWAYS))
     held = holds_grads_across_micro_batches(setup)
     kept = trainable
-    if setup.world_size == 1 and not held and host_groups:
-        # One rank: an offloaded group's gradients go down to the host as backward makes them
-        # (GradientReducer._on_grad_ready), so only the on-device groups' wait for its end.
+    if setup.world_size == 1 and not held and host_groups and setup.delayed_param_update:
+        # One rank with the delayed update: an offloaded group's gradients go down to the host
+        # as backward makes them (GradientReducer._on_grad_ready), so only the on-device
+        # groups' wait for its end.
         kept = _sum(device_groups, lambda g: sum(p.numel for p in g.params))
     if (setup.world_size == 1 or held) and kept:
         phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())

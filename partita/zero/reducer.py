@@ -101,8 +101,16 @@ class GradientReducer:
         comm_dtype: torch.dtype | None = None,
         predivide_factor: float = 1.0,
         accumulate_in_fp32: bool = False,
+        download_during_backward: bool = False,
     ) -> None:
         self._groups = groups
+        # One rank, offloaded groups: send each gradient to the host as backward makes it
+        # instead of after backward. Used with the delayed update only: on one H200 with GPT-1.3B
+        # it cut backward from 278 to 220 ms there (1.62x -> 1.90x DeepSpeed's offload
+        # tokens/s), while without the delayed update the same change made steps slower
+        # (1.28x -> 1.13x DeepSpeed, same-run ratios; cause not yet found, see
+        # docs/performance-notes.md).
+        self._download_during_backward = download_during_backward
         self._process_group = process_group
         self._world_size = world_size
         self._num_shards = groups[0].layout.num_shards
@@ -182,12 +190,10 @@ class GradientReducer:
             return  # accumulate (in param.grad or the fp32 sum) until the window's last micro-batch
         b, i = self._bucket_of[param]
         bucket = self._buckets[b]
-        if self._world_size == 1 and not self._groups[bucket.entries[i].group].offloaded:
+        if self._world_size == 1 and not (self._download_during_backward and self._groups[bucket.entries[i].group].offloaded):
             # Nothing to communicate or overlap: leave the gradient in param.grad, as plain
             # torch does, and fold everything into the fp32 partition in finish_backward,
             # once activations are freed (the fp32 partition is then allocated off-peak).
-            # An offloaded group's partition is in host memory: its download overlaps the
-            # rest of backward instead (and frees the gradient early).
             return
         if i not in bucket.pending:
             # The gradient was already packed (and maybe sent) in this backward: reentrant
