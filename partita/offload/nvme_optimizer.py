@@ -337,10 +337,13 @@ class SwappedOptimizerStates:
                 if not was_used and lo < hi:
                     kept += [(t[lo - unit.lo : hi - unit.lo], t[lo - unit.lo : hi - unit.lo].clone()) for t in slot.tensors.values()]
         unit.view.grad = group.master.grad[unit.lo : unit.hi]
+        # The step's unscale + clip when the fused kernel applies it (ShardedOptimizer._apply_update).
+        unit.proxy.grad_scale = getattr(inner, "grad_scale", None)
         try:
             unit.proxy.step()
         finally:
             unit.view.grad = None
+            del unit.proxy.grad_scale
         for view, saved in kept:
             view.copy_(saved)
         created = {k for k, v in state.items() if torch.is_tensor(v) and v.shape == unit.view.shape}

@@ -83,23 +83,27 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused) -
     master, state = group.master, inner.state[group.master]
     options = {k: v for k, v in inner.param_groups[g].items() if k != "params"}
     step_before = state["step"].clone()
+    grad_scale = getattr(inner, "grad_scale", None)
     stepped = 0
     for bucket in optimizer.bucket_layout(g):
         end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, master.numel())
         if end > stepped:
-            _step_range(type(inner), options, master, state, step_before, stepped, end)
+            _step_range(type(inner), options, master, state, step_before, stepped, end, grad_scale)
             stepped = end
         restore_unused(g, stepped)
         optimizer.write_back_group(g, [bucket])
     if stepped < master.numel():  # padding after the last bucket
-        _step_range(type(inner), options, master, state, step_before, stepped, master.numel())
+        _step_range(type(inner), options, master, state, step_before, stepped, master.numel(), grad_scale)
     state["step"].copy_(step_before + 1)
 
 
-def _step_range(cls, options: dict, master: torch.Tensor, state: dict, step_before: torch.Tensor, lo: int, hi: int) -> None:
+def _step_range(cls, options: dict, master: torch.Tensor, state: dict, step_before: torch.Tensor, lo: int, hi: int,
+                grad_scale: torch.Tensor | None) -> None:
     proxy = master[lo:hi]  # a view of a tensor that needs no grad: a leaf torch can optimise
     proxy.grad = master.grad[lo:hi]
     ranged = cls([{"params": [proxy], **options}])
+    if grad_scale is not None:
+        ranged.grad_scale = grad_scale  # the step's unscale + clip, applied in the fused kernel
     ranged.state[proxy] = {
         key: (step_before.clone() if key == "step" else value[lo:hi])
         for key, value in state.items()

@@ -85,6 +85,10 @@ class ShardedOptimizer:
         # Delayed parameter update: one background thread runs the (host) optimizer step
         # while the accelerator computes the next step; at most one update is in flight.
         self._background = ThreadPoolExecutor(1, thread_name_prefix="partita-step") if delayed_update else None
+        # torch's fused Adam/AdamW take a gradient divisor (``grad_scale``): the step's unscale and
+        # clip multiplier can ride along instead of a separate pass (see _apply_update).
+        self._fused_adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(
+            g.get("fused") for g in inner.param_groups)
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
 
     @property
@@ -183,10 +187,28 @@ class ShardedOptimizer:
         offloaded master into its pinned upload copy, so that landing the update in
         :meth:`finish_pending_step` is a plain host-to-device copy, not a host cast as well.
         """
+        in_kernel = multiplier != 1.0 and self._fused_adam
+        if in_kernel:
+            # Unscale + clip inside the fused Adam/AdamW kernel (its GradScaler input: grads are
+            # divided by ``grad_scale``) instead of a separate pass over the gradient partition,
+            # which for a host-offloaded 1.3 B model is ~70 ms of the step.
+            self.inner.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32)
         for group, grad in zip(self.groups, grads):
-            if grad is not None and multiplier != 1.0:
+            if grad is not None and multiplier != 1.0 and not in_kernel:
                 grad.mul_(multiplier)
             group.master.grad = grad  # None: the group got no gradient; torch skips it
+        try:
+            self._step_inner(used, upload=upload)
+        finally:
+            if in_kernel:
+                del self.inner.grad_scale
+        for group, grad in zip(self.groups, grads):
+            group.master.grad = None
+            group.recycle_grad_buffer(grad)
+            if cast_for_upload and group.offloaded and not group.aliases_params:
+                group.fill_upload_copy()
+
+    def _step_inner(self, used: list[list[bool]], *, upload: bool) -> None:
         kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
         if upload:
             step_and_upload(self, lambda g, end: self._restore_unused(kept, group=g, end=end))
@@ -195,11 +217,6 @@ class ShardedOptimizer:
         else:
             self.swapper.step(self.inner, used)
         self._restore_unused(kept)
-        for group, grad in zip(self.groups, grads):
-            group.master.grad = None
-            group.recycle_grad_buffer(grad)
-            if cast_for_upload and group.offloaded and not group.aliases_params:
-                group.fill_upload_copy()
 
     @property
     def update_pending(self) -> bool:
