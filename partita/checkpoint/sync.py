@@ -9,14 +9,16 @@ from the background thread of an asynchronous save, where a collective would rac
 training loop's collectives.
 
 Every checkpoint call gets a sequence number (the n-th call of this process), so keys of
-different calls never mix; ranks that make the same sequence of calls agree on it.
+different calls never mix; ranks that make the same sequence of calls agree on it. A call whose
+handshake fails (made by only some ranks) gives its number back and withdraws its key, so a job
+that catches the error and goes on still agrees with the ranks that never made that call.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -24,7 +26,22 @@ import torch.distributed as dist
 
 from partita.checkpoint.errors import CheckpointSyncError
 
-_CALLS = itertools.count()
+_calls = 0  # checkpoint calls of this process whose number is in use
+_calls_lock = threading.Lock()  # an asynchronous save takes its number from its own thread
+
+
+def _take_sequence_number() -> int:
+    global _calls
+    with _calls_lock:
+        _calls += 1
+        return _calls - 1
+
+
+def _give_back_sequence_number(number: int) -> None:
+    global _calls
+    with _calls_lock:
+        if _calls == number + 1:  # only the newest number: later calls keep theirs
+            _calls = number
 
 
 def _default_store() -> dist.Store:
@@ -46,7 +63,8 @@ class Coordinator:
         self.world_size = dist.get_world_size()
         self.store = _default_store()
         # The restart count keeps a restarted job's keys apart should the store outlive a restart.
-        self.prefix = f"partita/checkpoint/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_CALLS)}"
+        self.sequence = _take_sequence_number()
+        self.prefix = f"partita/checkpoint/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self.sequence}"
         self.handshake_timeout_s = handshake_timeout_s
         self.long_timeout_s = long_timeout_s
 
@@ -67,6 +85,7 @@ class Coordinator:
         except RuntimeError:  # DistStoreError subclasses RuntimeError
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
             present = [r for r in range(self.world_size) if r not in missing]
+            self._withdraw(keys[self.rank])
             raise CheckpointSyncError(
                 f"{self.op} was called on rank(s) {present} but rank(s) {missing} of {self.world_size} did not "
                 f"call {self.op} within {self.handshake_timeout_s:g} s. Every rank must call "
@@ -79,6 +98,15 @@ class Coordinator:
             calls = ", ".join(f"rank {r}: {p['op']}" for r, p in enumerate(payloads))
             raise CheckpointSyncError(f"the ranks made different checkpoint calls at the same point ({calls}); every rank must make the same call")
         return payloads
+
+    def _withdraw(self, key: str) -> None:
+        """This call did not happen: free its sequence number and its join key, so the next
+        call made by every rank gets the same number on all of them and finds no stale key."""
+        try:
+            self.store.delete_key(key)
+        except (RuntimeError, NotImplementedError):
+            pass  # a store without deletion: the next call overwrites the key when it joins
+        _give_back_sequence_number(self.sequence)
 
     def publish(self, name: str, value: dict[str, Any]) -> None:
         """Post this rank's ``value`` under ``name`` (a phase of the call)."""
