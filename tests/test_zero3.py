@@ -158,3 +158,44 @@ def test_stage3_max_live_parameters_bounds_prefetch() -> None:
     cfg["zero_optimization"]["stage3_max_live_parameters"] = 1  # nothing may be fetched ahead
     (result,), _ = run_distributed(train_stage3, 2, [("blocks", cfg)])
     assert result["prefetches"] == 0
+
+
+def post_step_gathers(_: None) -> dict:
+    """One stage-3 step with a persistence threshold: the elements each post-step all-gather moves."""
+    import partita
+    from partita.distributed import collectives
+
+    moved = []
+    original = collectives.all_gather_into_tensor
+
+    def spy(output, *args, **kwargs):
+        if kwargs.get("purpose") == "parameter all-gather after the optimizer step":
+            moved.append(output.numel())
+        return original(output, *args, **kwargs)
+
+    collectives.all_gather_into_tensor = spy
+    try:
+        model = build_block_model()
+        cfg = _config(1, 20)
+        cfg["zero_optimization"]["allgather_bucket_size"] = 10**6  # one bucket: sharded and persistent together
+        engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        xs, ys = make_batches(1, GLOBAL_BATCH)
+        micro = engine.train_micro_batch_size_per_gpu()
+        rank = torch.distributed.get_rank()
+        engine.backward(engine(xs[0][rank * micro : (rank + 1) * micro], ys[0][rank * micro : (rank + 1) * micro]))
+        engine.step()
+    finally:
+        collectives.all_gather_into_tensor = original
+    return {"moved": moved}
+
+
+def test_stage3_step_gathers_only_the_persistent_parameters() -> None:
+    """After the step only persistent parameters are held whole: only their shards are gathered
+    (not the buckets around them, which would move the whole model every step)."""
+    world = 2
+    per_rank = run_distributed(post_step_gathers, world, None)
+    persistent = [p.numel() for p in build_block_model().parameters() if p.requires_grad and p.numel() <= 20]
+    assert persistent  # the test model has some
+    want = sum(-(-n // world) * world for n in persistent)
+    for result in per_rank:
+        assert sum(result["moved"]) == want, (result["moved"], want)

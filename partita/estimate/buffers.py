@@ -102,10 +102,18 @@ def _write_back_bytes(info: ModelInfo, setup: Setup) -> int:
         if group.aliases_params:
             continue  # the parameters are views of the master: nothing to write back
         layout = group.layout
+        if setup.stage == 3:
+            # Only the persistent parameters' shards, packed (ShardedOptimizer._write_back_persistent):
+            # the concatenation (on the master's device), its cast, the gathered matrix.
+            specs = [s for s in layout.specs if s.numel <= persistent]
+            if specs:
+                packed = sum(s.shard_numel for s in specs)
+                mine = (0 if group.offloaded else 4 * packed) + (packed * d if setup.dtype != "fp32" or group.offloaded else 0)
+                sizes.append((mine, shards * packed * d if shards > 1 else 0))
+                largest_param = max([largest_param] + [shards * s.shard_numel * d for s in specs if shards > 1])
+            continue
         for bucket in layout.buckets(setup.allgather_bucket_size):
             specs = layout.specs[bucket.first : bucket.last]
-            if setup.stage == 3 and not any(s.numel <= persistent for s in specs):
-                continue
             # .to(model dtype) copies unless fp32; a host master is always uploaded into a new tensor.
             mine = bucket.shard_numel * d if setup.dtype != "fp32" or group.offloaded else 0
             gathered = shards * bucket.shard_numel * d if shards > 1 else 0
