@@ -43,7 +43,8 @@ blocks. In backward one checkpointed block at a time is recomputed in full.
 Around the blocks: token ids and targets (int64, ``2bs x 8``) and positions (``s x 8``);
 final LayerNorm input and output (``2bsh``) + stats; the fp32 log-probabilities of the loss
 (``bsV x 4``; ``logits.float()`` saves nothing). The logits returned to the caller add
-``bsV x d``. At the start of backward the gradients of the log-probabilities and of the
+``bsV x d`` while the caller holds them (``logits, loss = engine(x, y)`` keeps them through
+backward; a caller that keeps only the loss frees them, and the peak is that much lower). At the start of backward the gradients of the log-probabilities and of the
 fp32 logits (``2 x bsV x 4``) exist together with everything above.
 
 Validated against saved-tensor bytes measured on CPU in tests/test_estimate.py.
@@ -146,7 +147,8 @@ def gpt_activation_lines(shape: GPTShape, setup: Setup) -> list[Line]:
         Line("activations", "final LayerNorm + fp32 log-probabilities (loss)", "accelerator", c.head, _SAVED,
              exact=False, kind="head"),
         Line("activations", f"{setup.dtype} logits returned to the caller", "accelerator", c.logits,
-             frozenset({START_BACKWARD, BACKWARD, END_BACKWARD}), exact=False, kind="logits"),
+             frozenset({START_BACKWARD, BACKWARD, END_BACKWARD}), exact=False, kind="logits",
+             note="while the caller holds them"),
         Line("activations", "cross-entropy gradients, fp32", "accelerator", c.loss_grads,
              frozenset({START_BACKWARD}), exact=False, kind="loss_grads"),
     ]

@@ -129,10 +129,14 @@ class _GatherBeforeBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gatherer: ParameterGatherer, unit: nn.Module, *tensors: torch.Tensor):
         ctx.gatherer, ctx.unit = gatherer, unit
+        # Outputs that backward never reaches (the logits beside a loss) get no gradient: by
+        # default autograd would materialise zeros of their size at the start of backward,
+        # the memory peak (1.5 GiB for GPT-1.3B's bf16 logits at micro-batch 8).
+        ctx.set_materialize_grads(False)
         return tensors if len(tensors) != 1 else tensors[0]
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor | None):
         ctx.gatherer.on_pre_backward(ctx.unit)
         return (None, None) + grads
 
