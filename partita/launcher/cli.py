@@ -5,7 +5,8 @@ the node layout from flags, a DeepSpeed hostfile or the SLURM allocation, then h
 process management, restarts and failure reporting to torch.distributed.elastic, which
 already does them well. ``partita env`` prints the environment report; ``partita plot``
 charts logged runs (:mod:`partita.monitor.plot`); ``partita estimate`` predicts per-rank
-memory (:mod:`partita.estimate`).
+memory (:mod:`partita.estimate`); ``partita k8s`` writes Kubernetes manifests
+(:mod:`partita.launcher.k8s`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _RUN_EPILOG = """\
 layouts (strongest first):
   flags        --nnodes 2 --node-rank 0 --master-addr node01 [--master-port 29500]
   hostfile     --hostfile hosts.txt   (lines 'HOST slots=N'; start partita run on every host)
+  Kubernetes   a PyTorchJob or JobSet pod (PET_* / JobSet variables; see partita k8s)
   SLURM        srun --ntasks-per-node=1 partita run train.py   (nodes read from the allocation)
   local        one node, all GPUs, or 2 CPU processes without a GPU
 """
@@ -32,7 +34,7 @@ layouts (strongest first):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partita", description="partita distributed training tools")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint,estimate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint,estimate,k8s}")
 
     run = commands.add_parser(
         "run", help="launch a training script on every local GPU (or CPU) through torchrun",
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from partita.estimate.cli import add_estimate_parser  # import-light: no torch
 
     add_estimate_parser(commands)
+    from partita.launcher.k8s import add_k8s_parser  # import-light: no torch
+
+    add_k8s_parser(commands)
     return parser
 
 
@@ -88,6 +93,7 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
     import torch
 
     from partita.launcher.hostfile import hostfile_layout, read_hostfile
+    from partita.launcher.kubernetes_env import kubernetes_layout
     from partita.launcher.plan import build_torchrun_argv, resolve_plan
     from partita.launcher.slurm import slurm_allocation
 
@@ -95,8 +101,9 @@ def _torchrun_argv(args: argparse.Namespace) -> list[str]:
     layout = None
     if opts.hostfile is not None:
         layout = hostfile_layout(read_hostfile(opts.hostfile), node_rank=opts.node_rank)
-    plan = resolve_plan(opts, cuda_device_count=torch.cuda.device_count(),
-                        slurm=slurm_allocation(), hostfile=layout)
+    gpus = torch.cuda.device_count()
+    plan = resolve_plan(opts, cuda_device_count=gpus, slurm=slurm_allocation(), hostfile=layout,
+                        kubernetes=kubernetes_layout(cuda_device_count=gpus))
     return build_torchrun_argv(plan)
 
 
@@ -154,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from partita.estimate.cli import run_estimate_command
 
         return run_estimate_command(args)
+    if args.command == "k8s":
+        from partita.launcher.k8s import run_k8s_command
+
+        return run_k8s_command(args)
     return _run(args)
 
 

@@ -1,9 +1,9 @@
 """Turn ``partita run`` options plus the environment into torchrun's argument list.
 
-Pure functions: the caller passes in the GPU count, the SLURM allocation and the hostfile
-contents, so every mode is testable without starting a process. Precedence, strongest
-first: explicit flags, then ``--hostfile``, then the SLURM allocation, then "this machine
-only".
+Pure functions: the caller passes in the GPU count, the SLURM allocation, the Kubernetes
+operator's layout and the hostfile contents, so every mode is testable without starting a
+process. Precedence, strongest first: explicit flags, then ``--hostfile``, then a Kubernetes
+PyTorchJob / JobSet pod's environment, then the SLURM allocation, then "this machine only".
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partita.launcher.hostfile import HostfileLayout
+from partita.launcher.kubernetes_env import KubernetesLayout
 from partita.launcher.slurm import SlurmAllocation
 
 __all__ = ["LaunchPlan", "RunOptions", "build_torchrun_argv", "default_nproc", "resolve_plan"]
@@ -50,6 +51,12 @@ class LaunchPlan:
     max_restarts: int
     module: bool
     standalone: bool = field(default=False)
+    # c10d rendezvous (Kubernetes operators): "host:port", and --nnodes MIN:MAX when min < nnodes.
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "static"
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    min_nnodes: int | None = None
 
 
 def default_nproc(cuda_device_count: int) -> int:
@@ -87,9 +94,12 @@ def resolve_plan(
     cuda_device_count: int,
     slurm: SlurmAllocation | None = None,
     hostfile: HostfileLayout | None = None,
+    kubernetes: KubernetesLayout | None = None,
 ) -> LaunchPlan:
-    """Combine flags with the hostfile / SLURM layout; ValueError with the fix on bad input."""
+    """Combine flags with the hostfile / Kubernetes / SLURM layout; ValueError with the fix on bad input."""
     _check_options(opts)
+    if kubernetes is not None and opts.hostfile is None and opts.nnodes is None and opts.master_addr is None:
+        return _kubernetes_plan(opts, kubernetes, cuda_device_count=cuda_device_count)
     nnodes, node_rank, addr, port = opts.nnodes, opts.node_rank, opts.master_addr, opts.master_port
     nproc = opts.nproc
     if opts.hostfile is not None and hostfile is None:
@@ -134,10 +144,38 @@ def resolve_plan(
                       master_port=DEFAULT_MASTER_PORT if port is None else port, **common)
 
 
+def _kubernetes_plan(opts: RunOptions, k8s: KubernetesLayout, *, cuda_device_count: int) -> LaunchPlan:
+    """The operator's layout; ``--nproc`` / ``--max-restarts`` given on the command line still win."""
+    if opts.nproc is not None and k8s.nproc_per_node is not None and opts.nproc != k8s.nproc_per_node:
+        raise ValueError(
+            f"--nproc {opts.nproc} disagrees with the {k8s.operator}'s {k8s.nproc_per_node} processes per node; "
+            "drop --nproc or change the manifest"
+        )
+    nproc = opts.nproc or k8s.nproc_per_node or default_nproc(cuda_device_count)
+    restarts = opts.max_restarts if opts.max_restarts or k8s.max_restarts is None else k8s.max_restarts
+    common = dict(script=opts.script, script_args=tuple(opts.script_args), nproc_per_node=nproc,
+                  nnodes=k8s.nnodes, max_restarts=restarts, module=opts.module)
+    if k8s.rdzv_endpoint is None:
+        return LaunchPlan(node_rank=k8s.node_rank or 0, master_addr=k8s.master_addr,
+                          master_port=DEFAULT_MASTER_PORT if k8s.master_port is None else k8s.master_port, **common)
+    return LaunchPlan(node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=k8s.rdzv_endpoint,
+                      rdzv_backend=k8s.rdzv_backend, rdzv_id=k8s.rdzv_id, rdzv_conf=k8s.rdzv_conf,
+                      min_nnodes=k8s.min_nnodes, **common)
+
+
 def build_torchrun_argv(plan: LaunchPlan) -> list[str]:
     """The argument list for ``torch.distributed.run.main`` (what follows ``torchrun``)."""
-    argv = [f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}"]
-    if plan.standalone:
+    nnodes = f"{plan.min_nnodes}:{plan.nnodes}" if plan.min_nnodes not in (None, plan.nnodes) else f"{plan.nnodes}"
+    argv = [f"--nnodes={nnodes}", f"--nproc-per-node={plan.nproc_per_node}"]
+    if plan.rdzv_endpoint is not None:
+        # c10d: the agent on the endpoint's host serves the store; node ranks come from the
+        # rendezvous, so a rescheduled pod with a new IP rejoins under the same endpoint name.
+        argv += [f"--rdzv-backend={plan.rdzv_backend}", f"--rdzv-endpoint={plan.rdzv_endpoint}"]
+        if plan.rdzv_id is not None:
+            argv.append(f"--rdzv-id={plan.rdzv_id}")
+        if plan.rdzv_conf is not None:
+            argv.append(f"--rdzv-conf={plan.rdzv_conf}")
+    elif plan.standalone:
         argv.append("--standalone")
     else:
         # Static rendezvous: fixed node ranks and a master address, as in `deepspeed` / torchrun
