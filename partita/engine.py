@@ -21,19 +21,15 @@ from torch import nn
 from partita.config import BatchSizes
 from partita.distributed.topology import Topology
 from partita.step_log import StepLogger
+from partita.tensor_containers import map_tensors
 from partita.zero.api import ZeroState
 
 logger = logging.getLogger("partita")
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
+    # Input containers keep their types (namedtuples, dataclasses, dict subclasses).
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class Engine:

@@ -6,11 +6,21 @@ initialisers still see whole tensors). Each parameter is created whole once, on 
 device, initialised by the module's own code with the same random stream as an unsharded
 build, then reduced to its shard: peak memory is one module's parameters, not the model's.
 
-Initialisation that runs after children are built (a parent's ``_init_weights``) must go
-through ``module.apply(fn)``, which the context makes gather each module's parameters around
-``fn`` and keep what ``fn`` wrote, or through :class:`partita.zero.GatheredParameters`. Direct
-access to a child's parameter outside those fails loudly (it has no storage), never silently.
-As in DeepSpeed, this is the contract of construction-time sharding.
+[Note: initialisation after sharding]
+Models initialise again after their children are built: a parent's ``_init_weights``
+(Hugging Face's ``post_init`` walks every module with its own ``smart_apply``), ``tie_weights``,
+``nn.init.*`` on a child's parameter, ``param.data.normal_()``, ``weight[pad].zero_()``. Inside
+the context every such op works and gives an unsharded build's values: a torch dispatch mode
+(``_ShardedParamAccess``) sees each aten op whose tensors live in a sharded parameter's storage
+(the parameter itself, ``.data``, or any view: they share one storage, recognised by identity),
+makes those parameters whole for the op (an all-gather; an op that overwrites the whole
+parameter, ``normal_``/``uniform_``/``fill_``/``zero_``/``copy_``, only allocates), runs it,
+and keeps this rank's slice of the result. So every rank runs the same ops on the same whole
+values with the same random stream, exactly as an unsharded build does (construction is
+deterministic, so every rank issues the same gathers in the same order). View ops need no
+data and pass through. ``module.apply(fn)`` gathers each module's parameters once around
+``fn`` (one collective per module rather than per op). After the context, a parameter has no
+storage until ``initialize`` or :class:`partita.zero.GatheredParameters` gathers it.
 
 ``initialize`` then builds the fp32 master shards from these shards; at ZeRO-3 the
 parameters stay sharded, at stages 0-2 they are gathered whole once.
@@ -21,21 +31,58 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.distributed import collectives
 
 # Parameter -> this rank's shard (1-D, the layout of partita.zero.partition with alignment 1).
 _SHARDS = WeakIdKeyDictionary()
+# The parameter's storage (its StorageImpl address, shared by .data and every view) -> the
+# parameter (weakly), so the dispatch mode recognises any tensor that reads or writes it.
+_BY_STORAGE: dict[int, weakref.ref] = {}
 
 
 def init_shard_of(param: nn.Parameter) -> torch.Tensor | None:
     return _SHARDS.get(param)
+
+
+def _register(param: nn.Parameter, shard: torch.Tensor) -> None:
+    _SHARDS[param] = shard
+    _BY_STORAGE[param.untyped_storage()._cdata] = weakref.ref(param)
+
+
+def _unregister(param: nn.Parameter) -> None:
+    _SHARDS.pop(param, None)
+    key = param.untyped_storage()._cdata
+    ref = _BY_STORAGE.get(key)
+    if ref is not None and ref() is param:
+        del _BY_STORAGE[key]
+
+
+def _param_of_storage(tensor: torch.Tensor) -> nn.Parameter | None:
+    """The construction-sharded parameter whose storage ``tensor`` uses, if any."""
+    try:
+        key = tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, nested, ...)
+        return None
+    ref = _BY_STORAGE.get(key)
+    if ref is None:
+        return None
+    param = ref()
+    if param is None:  # the parameter died (a tied-away weight): its address may be reused
+        del _BY_STORAGE[key]
+        return None
+    if param not in _SHARDS or param.untyped_storage()._cdata != key:  # gathered for good, or new data
+        return None
+    return param
 
 
 def _shard_numel(numel: int, world: int) -> int:
@@ -70,12 +117,12 @@ def materialize_init_params(params: list[nn.Parameter]) -> None:
     for param in params:
         if param in _SHARDS:
             gather_init_param(param)
-            del _SHARDS[param]
+            _unregister(param)
 
 
 def forget_init_shards(params: list[nn.Parameter]) -> None:
     for param in params:
-        _SHARDS.pop(param, None)
+        _unregister(param)
 
 
 class Init:
@@ -136,11 +183,14 @@ class Init:
         nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._orig_apply = nn.Module.apply
         nn.Module.apply = _gathering_apply
+        self._access = _ShardedParamAccess()
+        self._access.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self._enabled:
             return
+        self._access.__exit__(None, None, None)
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched.clear()
@@ -187,7 +237,7 @@ class Init:
             shard[: piece.numel()].copy_(piece)
             param.data = data
             param.data.untyped_storage().resize_(0)
-            _SHARDS[param] = shard
+            _register(param, shard)
 
 
 def _gathering_apply(module: nn.Module, fn) -> nn.Module:
@@ -204,6 +254,53 @@ def _gathering_apply(module: nn.Module, fn) -> nn.Module:
         for param in sharded:
             reshard_init_param(param)
     return module
+
+
+# Ops that overwrite every element of their first argument without reading it: when that
+# argument is a whole sharded parameter, its storage is only allocated, not gathered.
+_aten = torch.ops.aten
+_OVERWRITES = frozenset(
+    {_aten.normal_.default, _aten.uniform_.default, _aten.fill_.Scalar, _aten.zero_.default, _aten.copy_.default}
+)
+
+
+class _ShardedParamAccess(TorchDispatchMode):
+    """Runs every op on a construction-sharded parameter on its whole value (see [Note:
+    initialisation after sharding]). Ops inside ``__torch_dispatch__`` (the gathers) do not
+    re-enter the mode: torch pops it while the handler runs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.is_view:  # shares the storage, reads nothing: later ops on the view are seen
+            return func(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        freed: list[nn.Parameter] = []
+        for tensor in tensors:
+            param = _param_of_storage(tensor)
+            if param is not None and param.untyped_storage().nbytes() == 0 and all(p is not param for p in freed):
+                freed.append(param)
+        if not freed:
+            return func(*args, **kwargs)
+        for param in freed:
+            if func in _OVERWRITES and _overwrites_whole(args, tensors, param):
+                param.data.untyped_storage().resize_(param.numel() * param.element_size())
+            else:
+                gather_init_param(param)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for param in freed:
+                reshard_init_param(param)
+
+
+def _overwrites_whole(args: tuple, tensors: list[torch.Tensor], param: nn.Parameter) -> bool:
+    """True if the op's first argument is all of ``param`` and no other argument reads it."""
+    target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if target is None or _param_of_storage(target) is not param:
+        return False
+    if target.numel() != param.numel() or target.storage_offset() != 0 or not target.is_contiguous():
+        return False
+    return all(t is target or _param_of_storage(t) is not param for t in tensors)
 
 
 def _all_module_classes() -> list[type]:

@@ -67,6 +67,7 @@ from torch import nn
 from partita.distributed import collectives
 from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
+from partita.tensor_containers import map_tensors, tensors_in
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync
@@ -139,18 +140,6 @@ class _GatherBeforeBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None):
         ctx.gatherer.on_pre_backward(ctx.unit)
         return (None, None) + grads
-
-
-def _map_tensors(value: Any, fn) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_map_tensors(v, fn) for v in value)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    return value
 
 
 class ParameterGatherer:
@@ -308,13 +297,13 @@ class ParameterGatherer:
             self.release_unit(unit)  # the root stays gathered until its gradients are produced
         if not torch.is_grad_enabled():
             return output  # no backward will follow (eval, no_grad)
-        tensors = []
-        _map_tensors(output, lambda t: tensors.append(t) if t.requires_grad else None)
+        # The output keeps its containers' types (a ModelOutput stays one: partita/tensor_containers.py).
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return output
-        wrapped = iter(_GatherBeforeBackward.apply(self, unit, *tensors) if len(tensors) > 1 else
-                       (_GatherBeforeBackward.apply(self, unit, tensors[0]),))
-        return _map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
+        wrapped = _GatherBeforeBackward.apply(self, unit, *tensors)
+        replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
+        return map_tensors(output, lambda t: replacement.get(id(t), t))
 
     # ------------------------------------------------------------------ the training forward
     def _begin_forward(self) -> None:
