@@ -24,11 +24,11 @@ from torch import nn
 
 from partita.activation_checkpointing.apply import apply_config as apply_activation_checkpointing_config
 from partita.compile.apply import apply_config as apply_compile_config
-from partita.config import PartitaConfig, load_config, resolve_batch_sizes
+from partita.config import ConfigError, PartitaConfig, load_config, resolve_batch_sizes
 from partita.data.sampler import ResumableDistributedSampler
 from partita.distributed import collectives
 from partita.distributed.init import current_device, init_distributed
-from partita.distributed.topology import Topology, build_topology
+from partita.distributed.topology import Axis, Topology, build_topology, resolve_mesh_shape
 from partita.engine import Engine
 from partita.monitor.setup import prepare_monitoring
 from partita.optim.factory import build_optimizer, required_alignment
@@ -97,7 +97,7 @@ def initialize(
 
     init_distributed(backend=cfg.distributed.backend, timeout_seconds=cfg.distributed.timeout_seconds)
     device = current_device()
-    topology = build_topology(device_type=device.type)
+    topology = _build_topology(cfg, device_type=device.type)
     batch = resolve_batch_sizes(cfg, dp_world_size=topology.data_size)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
@@ -162,6 +162,17 @@ def initialize(
     return engine, zero.optimizer, dataloader, scheduler
 
 
+def _build_topology(cfg: PartitaConfig, *, device_type: str) -> Topology:
+    """The mesh from the config's model-parallel sizes; a layout that cannot cover the world is a
+    ConfigError naming every factor (raised identically on every rank)."""
+    sizes = {Axis.TENSOR: cfg.tensor_parallel.size, Axis.SEQUENCE: cfg.sequence_parallel_size}
+    try:
+        resolve_mesh_shape(world_size=dist.get_world_size(), sizes={Axis.DATA: None, **sizes})
+    except ValueError as error:
+        raise ConfigError(f"the parallel layout does not fit the job: {error}") from None
+    return build_topology(device_type=device_type, sizes=sizes)
+
+
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
     chosen = [c for c in (config, config_params) if c is not None]
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
@@ -217,12 +228,13 @@ def _place_model(
     model.to(device=device)
     if dtype != torch.float32:
         model.to(dtype=dtype)
-    if topology.data_size > 1:
-        # Like DDP: ranks may have initialised differently (different seeds); rank 0 wins.
-        src = dist.get_global_rank(topology.data_group, 0)
+    if topology.zero_size > 1:
+        # Like DDP: ranks may have initialised differently (different seeds); rank 0 of each
+        # group holding the same weights (data x sequence) wins.
+        src = dist.get_global_rank(topology.zero_group, 0)
         skip = {id(p) for p in presharded}
         for tensor in [p for p in params if id(p) not in skip] + list(model.buffers()):
-            collectives.broadcast(tensor.data, src=src, group=topology.data_group, purpose="initial weight broadcast")
+            collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
 
 
 def _inner_optimizer_factory(optimizer: Any, cfg: PartitaConfig, device_type: str):

@@ -189,17 +189,29 @@ def test_nccl_without_cuda_is_refused_and_device_is_cpu() -> None:
 
 
 def test_axis_names_live_in_one_place() -> None:
-    assert [axis.value for axis in AXIS_ORDER] == ["data"]
-    assert Axis("data") is Axis.DATA
+    # Outermost to innermost: tensor last so its ranks are neighbours on one node.
+    assert [axis.value for axis in AXIS_ORDER] == ["pipe", "data", "sequence", "tensor"]
+    assert Axis("data") is Axis.DATA and Axis("tensor") is Axis.TENSOR
 
 
 def test_resolve_mesh_shape() -> None:
-    assert resolve_mesh_shape(world_size=4, sizes={Axis.DATA: None}) == {Axis.DATA: 4}
-    assert resolve_mesh_shape(world_size=4, sizes={Axis.DATA: 4}) == {Axis.DATA: 4}
-    with pytest.raises(ValueError, match=r"mesh axes data=3 = 3 do not multiply to the world size 4"):
+    ones = {Axis.PIPE: 1, Axis.SEQUENCE: 1, Axis.TENSOR: 1}
+    assert resolve_mesh_shape(world_size=4, sizes={Axis.DATA: None}) == {**ones, Axis.DATA: 4}
+    assert resolve_mesh_shape(world_size=4, sizes={Axis.DATA: 4}) == {**ones, Axis.DATA: 4}
+    assert resolve_mesh_shape(world_size=8, sizes={Axis.DATA: None, Axis.TENSOR: 2, Axis.PIPE: 2}) == {
+        Axis.PIPE: 2, Axis.DATA: 2, Axis.SEQUENCE: 1, Axis.TENSOR: 2}
+    with pytest.raises(ValueError, match=r"data=3 \(inferred.*\) x sequence=1 .* = 3 do not multiply to the world size 4"):
         resolve_mesh_shape(world_size=4, sizes={Axis.DATA: 3})
     with pytest.raises(ValueError, match="'data' has size 0"):
         resolve_mesh_shape(world_size=4, sizes={Axis.DATA: 0})
+    # Every factor is named with the config key that sets it.
+    with pytest.raises(ValueError) as error:
+        resolve_mesh_shape(world_size=6, sizes={Axis.DATA: None, Axis.TENSOR: 4, Axis.SEQUENCE: 1, Axis.PIPE: 1})
+    message = str(error.value)
+    assert "world size 6 is not divisible by 4" in message
+    for part in ("pipe=1 (pipeline.stages)", "data=? (inferred", "sequence=1 (sequence_parallel_size)",
+                 "tensor=4 (tensor_parallel.autotp_size)"):
+        assert part in message
 
 
 # ----------------------------------------------------------------------------- real process groups

@@ -115,14 +115,14 @@ def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
 
 def shard_file_of(engine: Engine, shard_rank: int) -> str:
     """The file holding shard ``shard_rank``: the rank file of the data rank that owns it."""
-    group = engine.topology.data_group
-    return fmt.rank_file(dist.get_global_rank(group, shard_rank) if engine.topology.data_size > 1 else 0)
+    group = engine.topology.zero_group
+    return fmt.rank_file(dist.get_global_rank(group, shard_rank) if engine.topology.zero_size > 1 else 0)
 
 
 def writes_shards(engine: Engine) -> bool:
     """Whether this rank writes optimizer shards: all ranks when sharded, data rank 0 when replicated."""
     num_shards = engine.optimizer.groups[0].layout.num_shards
-    return num_shards > 1 or engine.topology.data_rank == 0
+    return num_shards > 1 or engine.topology.zero_rank == 0
 
 
 def _span(spec: ShardSpec, start: int, stop: int) -> slice:
@@ -202,7 +202,7 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
         "partita_version": partita.__version__,
         "torch_version": torch.__version__,
         "world_size": dist.get_world_size(),
-        "data_parallel_size": engine.topology.data_size,
+        "data_parallel_size": engine.topology.zero_size,
         "zero_stage": engine.zero.policy.stage,
         "precision": str(engine.compute_dtype).replace("torch.", ""),
         "counters": {

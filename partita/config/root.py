@@ -29,6 +29,7 @@ from partita.monitor.config import (
 from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
+from partita.tensor_parallel.config import TensorParallelConfig
 from partita.zero.config import ZeroConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -199,6 +200,22 @@ class PartitaConfig(StrictSection):
         description=(
             "torch.compile each repeated block at initialize (\"enabled\"); DeepSpeed's \"deepcompile\" only "
             "as false. Default: off."
+        ),
+    )
+
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig,
+        description=(
+            "DeepSpeed's AutoTP training: autotp_size ranks split each layer (the topology's tensor axis), "
+            "partition_config rules, plus partita's sequence_parallel. Default: off."
+        ),
+    )
+    sequence_parallel_size: JsonInt = Field(
+        1,
+        ge=1,
+        description=(
+            "Ranks one sequence is split across (the topology's sequence axis; DeepSpeed-Ulysses). They read "
+            "the same samples; ZeRO shards over data x sequence. DeepSpeed default 1."
         ),
     )
 

@@ -55,7 +55,7 @@ def apply_zero(
             parameters must be identical on every rank (the engine broadcasts them).
         param_groups: normalised groups (see :func:`partita.param_groups.normalize_param_groups`).
         config: the ``zero_optimization`` section.
-        topology: process topology; only the data axis is used.
+        topology: process topology; ZeRO shards over its zero group (data x sequence).
         gradient_clipping: max global gradient norm, 0 for none.
         build_inner_optimizer: called with ``[{"params": [master], **options}, ...]`` (one
             flat fp32 master tensor per group) and returns the torch optimizer that steps them.
@@ -68,8 +68,8 @@ def apply_zero(
     """
     offload = config.offload_optimizer
     policy = ZeroPolicy.for_stage(config.stage)
-    num_shards = policy.num_shards(topology.data_size)
-    shard_rank = topology.data_rank if num_shards > 1 else 0  # stage 0: every rank owns everything
+    num_shards = policy.num_shards(topology.zero_size)
+    shard_rank = topology.zero_rank if num_shards > 1 else 0  # stage 0: every rank owns everything
     order = registration_index(module)
     device = next(p.device for raw in param_groups for p in raw["params"])
     transfer = (
@@ -100,8 +100,8 @@ def apply_zero(
     optimizer = ShardedOptimizer(
         groups,
         inner,
-        process_group=topology.data_group,
-        world_size=topology.data_size,
+        process_group=topology.zero_group,
+        world_size=topology.zero_size,
         gradient_clipping=gradient_clipping,
         allgather_bucket_numel=config.allgather_bucket_size,
         delayed_update=offload.enabled and offload.delayed_param_update,
@@ -116,8 +116,8 @@ def apply_zero(
     reducer = GradientReducer(
         groups,
         order,
-        process_group=topology.data_group,
-        world_size=topology.data_size,
+        process_group=topology.zero_group,
+        world_size=topology.zero_size,
         bucket_numel=config.reduce_bucket_size,
         reduce_every_micro_batch=policy.shard_gradients,
         use_reduce_scatter=config.reduce_scatter,
@@ -133,8 +133,8 @@ def apply_zero(
         gatherer = ParameterGatherer(
             module,
             groups,
-            process_group=topology.data_group,
-            world_size=topology.data_size,
+            process_group=topology.zero_group,
+            world_size=topology.zero_size,
             persistence_threshold=config.stage3_param_persistence_threshold,
             prefetch_numel=config.stage3_prefetch_bucket_size,
             max_live_numel=config.stage3_max_live_parameters,
