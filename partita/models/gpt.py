@@ -88,21 +88,30 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
+        batch, seq, _ = x.shape
+        # Shapes come from qkv's output, not from n_head: tensor parallelism gives each rank
+        # whole heads (a column shard of q, k and v), and the code below is the same for them.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim): SDPA attends over the last two dims.
-        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, -1)
+        return self.resid_dropout(self.proj(y))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, head_dim) tensors: the one place strategies that
+        change how attention runs (its dropout stream under tensor parallelism, sequence
+        parallelism's all-to-all) wrap."""
+        return F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(batch, seq, channels)
-        return self.resid_dropout(self.proj(y))
 
 
 class MLP(nn.Module):
@@ -132,6 +141,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class LanguageModelLoss(nn.Module):
+    """Mean next-token cross-entropy, in fp32 whatever the logits' dtype (see the module docstring)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: ``forward(idx, targets=None) -> (logits, loss)``."""
 
@@ -144,6 +160,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_loss = LanguageModelLoss()  # no parameters: tensor parallelism swaps in a vocabulary-parallel one
         # Weight tying: the output head reuses the embedding matrix (one Parameter, two modules).
         self.lm_head.weight = self.tok_emb.weight
         self._init_weights()
@@ -188,8 +205,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, self.lm_loss(logits, targets)
 
     def num_parameters(self, *, exclude_position_embedding: bool = False) -> int:
         """Number of distinct parameters (the tied embedding/head matrix counts once)."""
