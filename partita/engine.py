@@ -264,6 +264,10 @@ class Engine:
         )
         if path is not None:
             self.loaded_checkpoint = (path, client_state)
+            if not load_module_only:
+                from partita.config.batch import check_resumed_batch
+
+                check_resumed_batch(self, path)  # another world size: realign accumulation, warn if the batch changed
         return path, client_state
 
     # ------------------------------------------------------------------ queries

@@ -9,6 +9,8 @@ which values would.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,8 @@ from partita.config.base import ConfigError
 
 if TYPE_CHECKING:
     from partita.config.root import PartitaConfig
+
+logger = logging.getLogger("partita")
 
 _TRAIN = "train_batch_size"
 _MICRO = "train_micro_batch_size_per_gpu"
@@ -31,7 +35,7 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
-def resolve_batch_sizes(config: PartitaConfig, *, dp_world_size: int) -> BatchSizes:
+def resolve_batch_sizes(config: PartitaConfig, *, dp_world_size: int, log: bool = True) -> BatchSizes:
     """Infer the missing batch sizes as DeepSpeed does and check that the three agree.
 
     Args:
@@ -40,7 +44,8 @@ def resolve_batch_sizes(config: PartitaConfig, *, dp_world_size: int) -> BatchSi
 
     Rules: train + micro -> gas = train / (micro x ranks); train + gas -> micro =
     train / (ranks x gas); micro + gas -> train = micro x gas x ranks; only train ->
-    gas = 1, micro = train / ranks; only micro -> gas = 1, train = micro x ranks.
+    gas = 1, micro = train / ranks; only micro -> gas = 1, train = micro x ranks. With
+    ``elasticity.enabled`` the section picks all three instead (:func:`elastic_batch_sizes`).
 
     Raises:
         ConfigError: none of train/micro is given, or the numbers do not divide or agree;
@@ -48,12 +53,47 @@ def resolve_batch_sizes(config: PartitaConfig, *, dp_world_size: int) -> BatchSi
     """
     if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
         raise ValueError(f"dp_world_size must be an integer >= 1, got {dp_world_size!r}")
+    section = getattr(config, "elasticity", None)
+    if section is not None and section.enabled:
+        return elastic_batch_sizes(config, dp_world_size=dp_world_size, log=log)
     return infer_batch_sizes(
         train=config.train_batch_size,
         micro=config.train_micro_batch_size_per_gpu,
         gas=config.gradient_accumulation_steps,
         ranks=dp_world_size,
     )
+
+
+def elastic_batch_sizes(config: PartitaConfig, *, dp_world_size: int, log: bool = True) -> BatchSizes:
+    """The triple from the ``elasticity`` section (:mod:`partita.config.elasticity`): DeepSpeed's rule,
+    ``gas = global batch / (micro x ranks)``, so every valid rank count trains on the same global batch."""
+    from partita.config.elasticity import check_batch_keys, compute_elastic_batch
+
+    section = config.elasticity
+    if section.model_parallel_size > 1:
+        raise NotImplementedError(
+            f"elasticity.model_parallel_size {section.model_parallel_size}: elastic batch selection with model "
+            "parallelism is not implemented yet in partita; leave it at 1 (data-parallel ranks are counted)"
+        )
+    given = {_TRAIN: config.train_batch_size, _MICRO: config.train_micro_batch_size_per_gpu,
+             _GAS: config.gradient_accumulation_steps}
+    ignored = check_batch_keys(section, given)
+    picked = compute_elastic_batch(section, world_size=dp_world_size)
+    gas = picked.train_batch_size // (picked.micro_batch_size * dp_world_size)
+    resolved = BatchSizes(picked.train_batch_size, picked.micro_batch_size, gas)
+    if not log:
+        return resolved
+    for key, value in ((_TRAIN, resolved.train_batch_size), (_MICRO, resolved.micro_batch_size), (_GAS, gas)):
+        if key in ignored:
+            logger.warning("elasticity overrides %s: %s -> %s", key, given[key], value)
+    if not picked.world_independent:
+        logger.warning(
+            "elasticity (version 0.2): %d data-parallel ranks is not one of the valid counts, so the global batch "
+            "%d is specific to this count; a resume on another count changes it", dp_world_size, resolved.train_batch_size,
+        )
+    logger.info("elasticity: global batch %d (micro %d x accumulation %d x %d ranks); valid rank counts %s",
+                resolved.train_batch_size, resolved.micro_batch_size, gas, dp_world_size, list(picked.valid_gpus))
+    return resolved
 
 
 def infer_batch_sizes(*, train: int | None, micro: int | None, gas: int | None, ranks: int) -> BatchSizes:
@@ -153,4 +193,65 @@ def _gas_does_not_divide(train: int, gas: int, ranks: int) -> str:
         f"so {_MICRO} ({train} / {step}) is not a whole number. With {_ranks(ranks)} and {gas} "
         f"accumulation steps, set {_TRAIN} to {_multiples(train, step)}; or keep {_TRAIN} = "
         f"{train} and set {_GAS} to {_join_or(gas_options)}"
+    )
+
+
+# ---------------------------------------------------------------------------- resuming on another world size
+
+
+def saved_batch_sizes(meta: dict) -> BatchSizes | None:
+    """The triple the checkpoint's run trained with: its config resolved at its data-parallel size.
+
+    None when the checkpoint's config no longer loads (a key this version refuses): the caller
+    then cannot compare and says nothing.
+    """
+    from partita.checkpoint.jsoncodec import decode
+    from partita.config.loader import load_config
+
+    try:
+        raw = decode(meta["config"], tensor=lambda key: None)
+        return resolve_batch_sizes(load_config(raw), dp_world_size=int(meta["data_parallel_size"]), log=False)
+    except (ValueError, KeyError, TypeError, NotImplementedError):
+        return None
+
+
+def check_resumed_batch(engine, checkpoint_dir: str) -> None:
+    """What ``engine.load_checkpoint`` calls after a full load (see :func:`reconcile_resumed_batch`)."""
+    import json
+    from pathlib import Path
+
+    from partita.checkpoint.format import META_FILE
+
+    meta = json.loads((Path(checkpoint_dir) / META_FILE).read_text(encoding="utf-8"))
+    reconcile_resumed_batch(engine, saved_batch_sizes(meta), saved_ranks=meta.get("data_parallel_size"))
+
+
+def reconcile_resumed_batch(engine, saved: BatchSizes | None, *, saved_ranks: int | None) -> None:
+    """After a checkpoint load: realign the accumulation window and warn when the global batch changed.
+
+    The engine's window boundary is ``micro_steps % gradient_accumulation_steps``. A job resumed
+    on another rank count may have another accumulation (the elasticity section, or a config
+    giving ``train_batch_size`` and the micro-batch, recomputes it so the global batch stays),
+    and the saved micro-step count, a multiple of the old accumulation, must become one of the
+    new: ``micro_steps = global_steps x accumulation``. When the global batch itself changed
+    (a config that fixes micro-batch and accumulation, or elasticity version 0.2 off its valid
+    counts), the optimizer sees another gradient noise scale: the warning names the learning-rate
+    rules that compensate.
+    """
+    now = engine._batch
+    if saved is not None and saved.gradient_accumulation_steps != now.gradient_accumulation_steps:
+        engine.micro_steps = engine.global_steps * now.gradient_accumulation_steps
+    if saved is None or saved.train_batch_size == now.train_batch_size:
+        return
+    ratio = now.train_batch_size / saved.train_batch_size
+    logger.warning(
+        "the global batch changed on resume: the checkpoint trained with train_batch_size %d (%s ranks x micro %d x "
+        "accumulation %d), this run uses %d (%d ranks x micro %d x accumulation %d). Scale the learning rate with it: "
+        "the linear rule (SGD, large-batch training) multiplies it by %d/%d = %.4g, the square-root rule (Adam-family "
+        "optimizers) by sqrt(%.4g) = %.4g. To keep the math instead, set train_batch_size to %d (and the micro-batch; "
+        "partita recomputes gradient_accumulation_steps) or use the elasticity section",
+        saved.train_batch_size, saved_ranks if saved_ranks is not None else "?", saved.micro_batch_size,
+        saved.gradient_accumulation_steps, now.train_batch_size, engine.topology.data_size, now.micro_batch_size,
+        now.gradient_accumulation_steps, now.train_batch_size, saved.train_batch_size, ratio, ratio, math.sqrt(ratio),
+        saved.train_batch_size,
     )

@@ -14,9 +14,11 @@ from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from partita.activation_checkpointing.config import ActivationCheckpointingConfig
+from partita.autotune.config import AutotuningConfig
 from partita.checkpoint.config import CheckpointConfig
 from partita.compile.config import CompileConfig
 from partita.config.base import JsonInt, Problem, StrictSection
+from partita.config.elasticity import ElasticityConfig
 from partita.distributed.config import DistributedConfig
 from partita.monitor.config import (
     CommsLoggerConfig,
@@ -195,6 +197,13 @@ class PartitaConfig(StrictSection):
         default_factory=ActivationCheckpointingConfig,
         description="Recompute activations in backward; \"policy\" wraps the model's blocks. DeepSpeed default: off.",
     )
+    autotuning: AutotuningConfig = Field(
+        default_factory=AutotuningConfig,
+        description=(
+            "DeepSpeed's autotuning keys, read by `partita tune` (a training run ignores them, as DeepSpeed "
+            "does without `deepspeed --autotuning`). Default: disabled."
+        ),
+    )
     compile: CompileConfig = Field(
         default_factory=CompileConfig,
         description=(
@@ -216,6 +225,14 @@ class PartitaConfig(StrictSection):
         description=(
             "Ranks one sequence is split across (the topology's sequence axis; DeepSpeed-Ulysses). They read "
             "the same samples; ZeRO shards over data x sequence. DeepSpeed default 1."
+        ),
+    )
+
+    elasticity: ElasticityConfig = Field(
+        default_factory=ElasticityConfig,
+        description=(
+            "DeepSpeed's elastic batch: one global batch valid on every GPU count in [min_gpus, max_gpus]; "
+            "picks train_batch_size, the micro-batch and accumulation per run. Default: off."
         ),
     )
 
