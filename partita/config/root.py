@@ -14,7 +14,6 @@ from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from partita.activation_checkpointing.config import ActivationCheckpointingConfig
-from partita.autotune.config import AutotuningConfig
 from partita.checkpoint.config import CheckpointConfig
 from partita.compile.config import CompileConfig
 from partita.config.base import JsonInt, Problem, StrictSection
@@ -196,13 +195,6 @@ class PartitaConfig(StrictSection):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig,
         description="Recompute activations in backward; \"policy\" wraps the model's blocks. DeepSpeed default: off.",
-    )
-    autotuning: AutotuningConfig = Field(
-        default_factory=AutotuningConfig,
-        description=(
-            "DeepSpeed's autotuning keys, read by `partita tune` (a training run ignores them, as DeepSpeed "
-            "does without `deepspeed --autotuning`). Default: disabled."
-        ),
     )
     compile: CompileConfig = Field(
         default_factory=CompileConfig,
