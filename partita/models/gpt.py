@@ -186,10 +186,13 @@ class GPT(nn.Module):
         self.apply(init)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return logits of shape (B, T, vocab_size) and the mean cross-entropy against
-        ``targets`` (fp32 scalar), or ``None`` when no targets are given."""
+        ``targets`` (fp32 scalar), or ``None`` when no targets are given.
+
+        ``position_ids`` (T,): the tokens' positions in their sequence, default ``0..T-1``; a
+        sequence-parallel rank holds a slice of each sequence at other positions."""
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
         seq = idx.size(1)
@@ -198,7 +201,7 @@ class GPT(nn.Module):
                 f"cannot forward a sequence of length {seq}: block_size is {self.config.block_size}; "
                 f"cut the input into windows of at most block_size tokens"
             )
-        pos = torch.arange(seq, device=idx.device)
+        pos = torch.arange(seq, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
