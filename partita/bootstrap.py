@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.activation_checkpointing.apply import apply_config as apply_activation_checkpointing_config
+from partita.autotune.trial_env import apply_config_override
 from partita.compile.apply import apply_config as apply_compile_config
 from partita.config import ConfigError, PartitaConfig, load_config, resolve_batch_sizes
 from partita.data.sampler import ResumableDistributedSampler
@@ -30,11 +31,14 @@ from partita.distributed import collectives
 from partita.distributed.init import current_device, init_distributed
 from partita.distributed.topology import Axis, Topology, build_topology, resolve_mesh_shape
 from partita.engine import Engine
+from partita.moe.registry import bind_experts
 from partita.monitor.setup import prepare_monitoring
 from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
 from partita.precision.loss_scaler import build_loss_scaler
+from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
+from partita.sequence.apply import apply_sequence_parallel
 from partita.zero.api import apply_zero
 
 logger = logging.getLogger("partita")
@@ -75,7 +79,8 @@ def initialize(
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``, as DeepSpeed's ``initialize``.
     """
-    cfg = load_config(_pick_config(args, config, config_params))
+    # apply_config_override: a `partita tune` trial's settings (PARTITA_CONFIG_OVERRIDE), else unchanged.
+    cfg = load_config(apply_config_override(_pick_config(args, config, config_params)))
     if model is None or not isinstance(model, nn.Module):
         raise ValueError(f"initialize() needs model=<torch.nn.Module>, got {type(model).__name__}")
     if mpu is not None:
@@ -113,7 +118,15 @@ def initialize(
     param_groups = normalize_param_groups(source_groups, model)
 
     compute_dtype = _DTYPES[cfg.precision]
-    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage)
+    # The strategies, in this order (torchtitan's): tensor parallelism splits the whole model first,
+    # then experts, activation checkpointing, compile, and ZeRO over what each rank holds.
+    param_groups = apply_tensor_parallel_config(model, cfg.tensor_parallel, topology, param_groups)
+    # MoE layers get their expert groups (collective: same order everywhere); expert parameters
+    # are then broadcast, reduced and ZeRO-sharded within their expert-data group only.
+    expert_comms = bind_experts(model, topology)
+    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage,
+                 expert_comms=expert_comms)
+    apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
@@ -138,6 +151,7 @@ def initialize(
         predivide_factor=cfg.gradient_predivide_factor,
         accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
         aio=cfg.aio,
+        param_comms=expert_comms,
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
@@ -203,7 +217,8 @@ def _configure_logging(topology: Topology) -> None:
 
 @torch.no_grad()
 def _place_model(
-    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int
+    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int,
+    expert_comms: dict | None = None,
 ) -> None:
     """Move to the device, cast to the compute dtype, and make every rank hold rank 0's weights.
 
@@ -231,10 +246,18 @@ def _place_model(
     if topology.zero_size > 1:
         # Like DDP: ranks may have initialised differently (different seeds); rank 0 of each
         # group holding the same weights (data x sequence) wins.
+        # Expert parameters differ across expert ranks: only their expert-data group (the ranks
+        # holding the same experts) takes its first rank's copy.
         src = dist.get_global_rank(topology.zero_group, 0)
+        expert_comms = expert_comms or {}
         skip = {id(p) for p in presharded}
         for tensor in [p for p in params if id(p) not in skip] + list(model.buffers()):
-            collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
+            comm = expert_comms.get(tensor)
+            if comm is None:
+                collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
+            elif comm.size > 1:
+                collectives.broadcast(tensor.data, src=dist.get_global_rank(comm.process_group, 0),
+                                      group=comm.process_group, purpose="initial expert weight broadcast")
 
 
 def _inner_optimizer_factory(optimizer: Any, cfg: PartitaConfig, device_type: str):

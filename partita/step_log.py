@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from partita.autotune.trial_env import TrialReporter
 from partita.distributed import collectives
 from partita.monitor.comms_logger import COMMS_LOGGER
 from partita.monitor.flops_profiler import FlopsProfile, ModuleProfiler
@@ -82,6 +83,8 @@ class StepLogger:
         self.last_line: str | None = None
         self.last_metrics: dict[str, float] = {}
         self._totals: dict[str, float] = {}
+        # `partita tune` trials only (environment variables): report after N steps and exit.
+        self._trial = TrialReporter.from_env()
 
     # ------------------------------------------------------------------ helpers
     def _sync(self) -> None:
@@ -184,6 +187,8 @@ class StepLogger:
         if engine.global_steps % self._every == 0:
             self._print_step(engine)
         self._losses.clear()
+        if self._trial is not None:
+            self._trial.after_step(engine, self.last_metrics)
 
     # ------------------------------------------------------------------ flops profiler
     def _finish_profile(self, engine: Any, seconds: float) -> None:

@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from partita.activation_checkpointing.config import ActivationCheckpointingConfig
+from partita.autotune.config import AutotuningConfig
 from partita.checkpoint.config import CheckpointConfig
 from partita.compile.config import CompileConfig
 from partita.config.base import JsonInt, Problem, StrictSection
@@ -30,6 +31,7 @@ from partita.monitor.config import (
 from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
+from partita.sequence.config import SequenceParallelConfig
 from partita.tensor_parallel.config import TensorParallelConfig
 from partita.zero.config import ZeroConfig
 
@@ -196,6 +198,13 @@ class PartitaConfig(StrictSection):
         default_factory=ActivationCheckpointingConfig,
         description="Recompute activations in backward; \"policy\" wraps the model's blocks. DeepSpeed default: off.",
     )
+    autotuning: AutotuningConfig = Field(
+        default_factory=AutotuningConfig,
+        description=(
+            "DeepSpeed's autotuning keys, read by `partita tune` (a training run ignores them, as DeepSpeed "
+            "does without `deepspeed --autotuning`). Default: disabled."
+        ),
+    )
     compile: CompileConfig = Field(
         default_factory=CompileConfig,
         description=(
@@ -217,6 +226,13 @@ class PartitaConfig(StrictSection):
         description=(
             "Ranks one sequence is split across (the topology's sequence axis; DeepSpeed-Ulysses). They read "
             "the same samples; ZeRO shards over data x sequence. DeepSpeed default 1."
+        ),
+    )
+    sequence_parallel: SequenceParallelConfig = Field(
+        default_factory=SequenceParallelConfig,
+        description=(
+            "partita only: how the sequence_parallel_size ranks of one sequence run attention, \"mode\": "
+            "\"ulysses\" (default) or \"ring\"."
         ),
     )
 

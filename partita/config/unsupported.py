@@ -94,7 +94,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "pipeline": Unsupported({}),
         "seq_parallel_communication_data_type": Unsupported("fp32"),
         "prescale_gradients": Unsupported(False),
-        "autotuning": Unsupported(_off()),
         "amp": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
         "torch_autocast": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
         "sparse_attention": Unsupported({}),

@@ -6,13 +6,15 @@ process management, restarts and failure reporting to torch.distributed.elastic,
 already does them well. ``partita env`` prints the environment report; ``partita plot``
 charts logged runs (:mod:`partita.monitor.plot`); ``partita estimate`` predicts per-rank
 memory (:mod:`partita.estimate`); ``partita k8s`` writes Kubernetes manifests
-(:mod:`partita.launcher.k8s`).
+(:mod:`partita.launcher.k8s`); ``partita tune`` searches micro-batch, ZeRO stage, activation
+checkpointing and offload with short trials (:mod:`partita.autotune`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -34,7 +36,7 @@ layouts (strongest first):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partita", description="partita distributed training tools")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint,estimate,k8s}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,plot,checkpoint,estimate,k8s,tune}")
 
     run = commands.add_parser(
         "run", help="launch a training script on every local GPU (or CPU) through torchrun",
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from partita.launcher.k8s import add_k8s_parser  # import-light: no torch
 
     add_k8s_parser(commands)
+    from partita.autotune.cli import add_tune_parser  # import-light: no torch
+
+    add_tune_parser(commands)
     return parser
 
 
@@ -118,8 +123,13 @@ def _run(args: argparse.Namespace) -> int:
         print("torchrun " + " ".join(argv))
         return 0
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    from partita.launcher.signals import prepare_signal_forwarding, signal_exit_code
+
+    prepare_signal_forwarding(os.environ)  # SIGUSR1 reaches the ranks, and they get time to save
 
     if args.max_restarts > 0:
         # torch 2.13's agent-hosted rendezvous store outlives a restart with the previous
@@ -137,6 +147,10 @@ def _run(args: argparse.Namespace) -> int:
         # A worker killed by a signal has a negative exitcode; the shell convention is 128+N.
         code = root_cause.exitcode
         return code if 0 < code < 256 else (128 - code if -64 < code < 0 else 1)
+    except SignalException as error:
+        # The scheduler signalled the launcher; torchrun forwarded it and waited for the ranks.
+        print(f"partita run: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
+        return signal_exit_code(error.sigval)
     return 0
 
 
@@ -165,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from partita.launcher.k8s import run_k8s_command
 
         return run_k8s_command(args)
+    if args.command == "tune":
+        from partita.autotune.cli import run_tune_command
+
+        return run_tune_command(args)
     return _run(args)
 
 
