@@ -1,0 +1,43 @@
+"""Long sequences across ranks: DeepSpeed-Ulysses and ring attention over the sequence axis.
+
+- :class:`partita.sequence.layer.DistributedAttention`: DeepSpeed-Ulysses at DeepSpeed's path;
+- :func:`ring_attention` / :class:`RingAttention`: ring attention (context parallelism);
+- :func:`shard_sequence`, :func:`local_positions`: which tokens a sequence rank holds;
+- :func:`token_weighted_cross_entropy`, :func:`sequence_token_mean`: the loss averaged exactly over
+  all tokens of the sequence group;
+- :func:`apply_sequence_parallel`: what ``initialize`` does with ``sequence_parallel_size > 1``.
+
+The config: top-level ``sequence_parallel_size`` (DeepSpeed's) and the ``sequence_parallel``
+section (:mod:`partita.sequence.config`).
+"""
+
+from __future__ import annotations
+
+from partita.sequence.comm import all_reduce_sum, all_to_all, sequence_token_mean, token_weighted_cross_entropy
+from partita.sequence.layer import DistributedAttention
+from partita.sequence.ring import RingAttention, ring_attention
+from partita.sequence.sharding import local_positions, shard_sequence, unshard_sequence
+
+__all__ = [
+    "DistributedAttention",
+    "RingAttention",
+    "all_reduce_sum",
+    "all_to_all",
+    "apply_sequence_parallel",
+    "local_positions",
+    "ring_attention",
+    "sequence_token_mean",
+    "shard_sequence",
+    "token_weighted_cross_entropy",
+    "unshard_sequence",
+]
+
+
+def __getattr__(name: str):
+    # apply_sequence_parallel imports the topology and the reference model; the config loader
+    # imports partita.sequence.config early, so this package must not import them eagerly.
+    if name == "apply_sequence_parallel":
+        from partita.sequence.apply import apply_sequence_parallel
+
+        return apply_sequence_parallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

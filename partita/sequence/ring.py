@@ -38,13 +38,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from partita.distributed.collective_errors import explain_collective_failure
 from partita.monitor.comms_logger import COMMS_LOGGER
 from partita.sequence.block_kernels import BlockKernel, pick_kernel
 from partita.sequence.sharding import LAYOUTS, Layout
 
-__all__ = ["ring_attention"]
+__all__ = ["RingAttention", "ring_attention"]
 
 _KV_TAG, _GRAD_TAG = 17, 18  # kv blocks and their gradient accumulators travel the same links
 
@@ -230,3 +231,39 @@ def ring_attention(
     return _RingAttention.apply(
         query.contiguous(), key.contiguous(), value.contiguous(), group, causal, layout, scale, prefer_math
     )
+
+
+class RingAttention(nn.Module):
+    """:func:`ring_attention` as a module, for models built before ``partita.initialize``:
+    with ``sequence_process_group=None``, ``initialize`` (``sequence_parallel_size > 1``) binds
+    it to the job's sequence group, as it does for ``DistributedAttention``.
+
+    ``forward(query, key, value)`` on ``(batch, heads, local_len, head_dim)`` shards in ``layout``.
+    """
+
+    def __init__(
+        self,
+        sequence_process_group: dist.ProcessGroup | None = None,
+        *,
+        causal: bool = True,
+        layout: Layout = "balanced",
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"RingAttention(layout={layout!r}): choose one of {list(LAYOUTS)}")
+        self.group = sequence_process_group
+        self.causal, self.layout, self.scale = causal, layout, scale
+
+    def bind_group(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            raise RuntimeError(
+                "RingAttention has no sequence group: build it with sequence_process_group="
+                "engine.topology.sequence_group, or set sequence_parallel_size > 1 so partita.initialize binds it"
+            )
+        return ring_attention(
+            query, key, value, group=self.group, causal=self.causal, layout=self.layout, scale=self.scale
+        )
