@@ -31,14 +31,11 @@ from partita.distributed import collectives
 from partita.distributed.init import current_device, init_distributed
 from partita.distributed.topology import Axis, Topology, build_topology, resolve_mesh_shape
 from partita.engine import Engine
-from partita.moe.registry import bind_experts
 from partita.monitor.setup import prepare_monitoring
 from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
 from partita.precision.loss_scaler import build_loss_scaler
-from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
-from partita.sequence.apply import apply_sequence_parallel
 from partita.zero.api import apply_zero
 
 logger = logging.getLogger("partita")
@@ -118,15 +115,7 @@ def initialize(
     param_groups = normalize_param_groups(source_groups, model)
 
     compute_dtype = _DTYPES[cfg.precision]
-    # The strategies, in this order (torchtitan's): tensor parallelism splits the whole model first,
-    # then experts, activation checkpointing, compile, and ZeRO over what each rank holds.
-    param_groups = apply_tensor_parallel_config(model, cfg.tensor_parallel, topology, param_groups)
-    # MoE layers get their expert groups (collective: same order everywhere); expert parameters
-    # are then broadcast, reduced and ZeRO-sharded within their expert-data group only.
-    expert_comms = bind_experts(model, topology)
-    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage,
-                 expert_comms=expert_comms)
-    apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
+    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage)
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
@@ -151,7 +140,6 @@ def initialize(
         predivide_factor=cfg.gradient_predivide_factor,
         accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
         aio=cfg.aio,
-        param_comms=expert_comms,
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
@@ -217,8 +205,7 @@ def _configure_logging(topology: Topology) -> None:
 
 @torch.no_grad()
 def _place_model(
-    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int,
-    expert_comms: dict | None = None,
+    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int
 ) -> None:
     """Move to the device, cast to the compute dtype, and make every rank hold rank 0's weights.
 
@@ -246,18 +233,10 @@ def _place_model(
     if topology.zero_size > 1:
         # Like DDP: ranks may have initialised differently (different seeds); rank 0 of each
         # group holding the same weights (data x sequence) wins.
-        # Expert parameters differ across expert ranks: only their expert-data group (the ranks
-        # holding the same experts) takes its first rank's copy.
         src = dist.get_global_rank(topology.zero_group, 0)
-        expert_comms = expert_comms or {}
         skip = {id(p) for p in presharded}
         for tensor in [p for p in params if id(p) not in skip] + list(model.buffers()):
-            comm = expert_comms.get(tensor)
-            if comm is None:
-                collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
-            elif comm.size > 1:
-                collectives.broadcast(tensor.data, src=dist.get_global_rank(comm.process_group, 0),
-                                      group=comm.process_group, purpose="initial expert weight broadcast")
+            collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
 
 
 def _inner_optimizer_factory(optimizer: Any, cfg: PartitaConfig, device_type: str):
