@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from partita.config import BatchSizes
+from partita.distributed.init import local_rank
 from partita.distributed.topology import Topology
+from partita.sample_count import SampleCounter
 from partita.step_log import StepLogger
 from partita.tensor_containers import map_tensors
 from partita.zero.api import ZeroState
@@ -74,12 +76,33 @@ class Engine:
         self._step_applied = False
         self._backward_pending = False
         self._step_log = StepLogger(engine=self)  # needs device, topology, module, config set above
+        from partita.checkpoint.preemption import PreemptionGuard
+
+        # checkpoint.save_on_signal: a scheduler's SIGTERM/SIGUSR1 saves at the next step boundary, then exits.
+        self._preemption = PreemptionGuard(self, config.checkpoint if config is not None else None)
+        self._samples = SampleCounter(micro_batch_size=batch.micro_batch_size, data_size=topology.data_size,
+                                      data_group=topology.data_group, device=device)
+        # DeepSpeed's rank attributes, so they do not fall through to the module.
+        self.local_rank = local_rank()
+        self.global_rank = topology.rank
+        self.world_size = topology.world_size
+        self.dp_world_size = topology.data_size
+        if zero.gatherer is not None:
+            from partita.zero.external import check_external_parameters
+
+            check_external_parameters(module, zero.gatherer)  # zero.register_external_parameter uses ZeRO-3 cannot honour
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails; forward to the module like DeepSpeed.
         if name in {"module", "__setstate__"}:
             raise AttributeError(name)
-        return getattr(self.module, name)
+        try:
+            return getattr(self.module, name)
+        except AttributeError:
+            from partita.deepspeed_compat import missing_engine_attribute
+
+            missing_engine_attribute(name)  # a DeepSpeedEngine call partita lacks: say so and what to use
+            raise
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:
@@ -90,6 +113,17 @@ class Engine:
 
     def gradient_accumulation_steps(self) -> int:
         return self._batch.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        """True when training in fp16 (config ``fp16.enabled``), as DeepSpeed's."""
+        return self.compute_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        """True when training in bf16 (config ``bf16.enabled``), as DeepSpeed's."""
+        return self.compute_dtype == torch.bfloat16
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero.policy.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while computing the last micro-batch of an accumulation window."""
@@ -146,6 +180,8 @@ class Engine:
         """Run the module; floating-point tensor inputs are cast to the compute dtype."""
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floating(args, self.compute_dtype), _cast_floating(kwargs, self.compute_dtype)
+        if self.module.training and torch.is_grad_enabled():
+            self._samples.observe_forward(args, kwargs)
         with self._step_log.forward_scope(args, kwargs):
             return self.module(*args, **kwargs)
 
@@ -180,6 +216,7 @@ class Engine:
                 reducer.finish_backward()
             if self.zero.gatherer is not None:
                 self.zero.gatherer.release_all()  # parameters that got no gradient are still whole
+        self._samples.end_micro_batch()
         self._backward_pending = True
         return loss
 
@@ -193,6 +230,7 @@ class Engine:
         self._step_applied = False
         if not boundary:
             return
+        samples = self._samples.end_step(global_steps=self.global_steps + 1)  # may refuse unequal micro-batches
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # The LR scheduler steps once the update is in the weights: at once, or, with a
         # delayed update, when it lands (so the update never reads the next step's rate).
@@ -211,9 +249,17 @@ class Engine:
                     self.global_steps + 1,
                     result.grad_norm,
                 )
+            elif self.topology.rank == 0:  # every rank skips alike
+                logger.warning(
+                    "step %d skipped: fp16 gradients overflowed (inf/nan) at loss scale %g; the loss scale is now %g",
+                    self.global_steps + 1,
+                    scale,
+                    self.loss_scaler.scale,
+                )
         self.global_steps += 1
-        self.global_samples += self._batch.train_batch_size
+        self.global_samples += samples
         self._step_log.end_step(self)
+        self._preemption.at_step_boundary(self)  # a preemption signal on any rank: save this step and exit
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (model ``.grad`` and the fp32 partitions)."""
@@ -222,6 +268,7 @@ class Engine:
                 param.grad = None
         self.optimizer.zero_grad()
         self.zero.reducer.take_received()
+        self._samples.drop_window()
         self._backward_pending = False
 
     # ------------------------------------------------------------------ checkpoints (partita/checkpoint)
@@ -241,6 +288,7 @@ class Engine:
         from partita.checkpoint.save import save_checkpoint
 
         self.finish_pending_step()
+        self._samples.verify(last_step=self.global_steps)  # the saved global_samples is checked on every rank
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(
@@ -281,13 +329,21 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors"):
-        """Write the whole model in its compute dtype as safetensors (all ranks must call;
-        rank 0 writes). Works at every ZeRO stage, streaming one parameter at a time."""
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False):
+        """Write the whole model in its compute dtype (all ranks must call; rank 0 writes), in the
+        format the name says: ``.safetensors``, or ``torch.save`` of tensors for ``.bin``/``.pt``
+        (see :func:`partita.zero.export.save_16bit_model` for tied weights). Works at every ZeRO
+        stage, streaming one parameter at a time."""
         from partita.zero.export import save_16bit_model
 
         self.finish_pending_step()
-        return save_16bit_model(self.module, self.zero, save_dir, save_filename)
+        return save_16bit_model(self.module, self.zero, save_dir, save_filename,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors"):
+        """DeepSpeed's older name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def get_fp32_state_dict(self, rank0_only: bool = True) -> dict:
         """Full fp32 weights from the optimizer's master shards, keyed like the model's

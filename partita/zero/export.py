@@ -1,13 +1,15 @@
 """Export whole weights from a running engine, one parameter at a time.
 
-``save_16bit_model`` writes the model's weights in its compute dtype as one safetensors
-file (rank 0 writes; every rank takes part in the gathers). ``fp32_state_dict`` rebuilds
+``save_16bit_model`` writes the model's weights in its compute dtype as one file, in the
+format its name says (``.safetensors``, or torch's for ``.bin``/``.pt``/``.pth``; rank 0
+writes, every rank takes part in the gathers). ``fp32_state_dict`` rebuilds
 full fp32 weights from the optimizer's master shards. Both gather parameter by parameter, so
 no rank holds more than one extra whole parameter on the device at a time.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -41,26 +43,92 @@ def fp32_state_dict(module: nn.Module, zero: ZeroState, *, rank0_only: bool = Tr
     return out
 
 
-def save_16bit_model(module: nn.Module, zero: ZeroState, save_dir: str | os.PathLike, save_filename: str) -> Path:
-    """Write the weights in the model's dtype to ``save_dir/save_filename`` (safetensors)."""
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
+def consolidated_16bit_state_dict(
+    module: nn.Module, zero: ZeroState, *, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
+    """The whole ``module.state_dict()`` in the model's dtype as CPU tensors on rank 0 (every
+    key; a tied weight is one tensor under each of its names), ``{}`` on other ranks. Every
+    rank must call it: parameters are gathered one at a time (DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``; the Hugging Face Trainer saves it with
+    ``save_pretrained``)."""
+    entries = module.state_dict(keep_vars=True)  # every key: tied weights under each name, persistent buffers
+    if exclude_frozen_parameters:
+        entries = {k: v for k, v in entries.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
+    first_name: dict[int, str] = {}  # tensor identity -> the first key holding it
+    unique = []
+    for name, tensor in entries.items():
+        if id(tensor) not in first_name:
+            first_name[id(tensor)] = name
+            unique.append((name, tensor))
     writer = _is_writer()
-    # remove_duplicate=True: safetensors refuses two names for one storage; tied weights are
-    # stored once under their first name, the way torch's own state_dict loading resolves them.
-    for name, full in iter_full_parameters(zero, module.named_parameters()):
+    saved: dict[str, torch.Tensor] = {}
+    # One parameter gathered at a time (buffers and stage 0-2 parameters need no gather).
+    for name, full in iter_full_parameters(zero, unique):
         if writer:
-            tensors[name] = full.to("cpu", copy=True).contiguous()
-    saved_keys = set(module.state_dict(keep_vars=True))  # persistent buffers only
-    for name, buffer in module.named_buffers():
-        if writer and name in saved_keys:
-            tensors[name] = buffer.detach().to("cpu", copy=True).contiguous()
+            saved[name] = full.to("cpu", copy=True).contiguous()
+    if not writer:
+        return {}
+    return {name: saved[first_name[id(t)]] for name, t in entries.items()}
+
+
+def _drop_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep each tensor under its first name; return the rest as ``{dropped name: kept name}``."""
+    kept: dict[int, str] = {}
+    stored, aliases = {}, {}
+    for name, tensor in state.items():
+        if id(tensor) in kept:
+            aliases[name] = kept[id(tensor)]
+        else:
+            kept[id(tensor)] = name
+            stored[name] = tensor
+    return stored, aliases
+
+
+# The file name says the format: torch's own (a tensors-only dict, readable with
+# torch.load(..., weights_only=True), as DeepSpeed's default pytorch_model.bin) or safetensors.
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def save_16bit_model(
+    module: nn.Module,
+    zero: ZeroState,
+    save_dir: str | os.PathLike,
+    save_filename: str,
+    *,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
+    """Write the weights in the model's dtype to ``save_dir/save_filename`` (rank 0 writes; every
+    rank must call, since every rank takes part in the gathers).
+
+    Keys are ``module.state_dict()``'s (parameters and persistent buffers). A ``.bin``/``.pt``/
+    ``.pth`` name gets ``torch.save`` of that dict with *every* key, tied weights included under
+    each of their names and sharing one tensor (written once, as DeepSpeed does); a
+    ``.safetensors`` name gets safetensors, which refuses two names for one storage, so a tied
+    weight is stored once under its first name (Hugging Face's convention: ``from_pretrained``
+    and ``tie_weights`` restore the alias) and the header's metadata ``"partita_tied"`` maps
+    each dropped name to the stored one. ``exclude_frozen_parameters`` (DeepSpeed's option)
+    leaves out parameters with ``requires_grad=False``.
+    """
     path = Path(save_dir) / save_filename
-    if writer:
+    suffix = path.suffix.lower()
+    if suffix not in TORCH_SUFFIXES + (SAFETENSORS_SUFFIX,):
+        raise ValueError(
+            f"save_16bit_model: cannot tell the format from the file name {save_filename!r}; end it in "
+            f"{SAFETENSORS_SUFFIX} (safetensors) or one of {', '.join(TORCH_SUFFIXES)} (torch.save, tensors only)"
+        )
+    state = consolidated_16bit_state_dict(module, zero, exclude_frozen_parameters=exclude_frozen_parameters)
+    if _is_writer():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "partita"})
+        tmp = path.with_name(path.name + ".tmp")
+        if suffix == SAFETENSORS_SUFFIX:
+            from safetensors.torch import save_file
+
+            stored, aliases = _drop_aliases(state)
+            metadata = {"format": "pt", "producer": "partita", "partita_tied": json.dumps(aliases)}
+            save_file(stored, str(tmp), metadata=metadata)
+        else:
+            torch.save(state, tmp)
         os.replace(tmp, path)  # a crash mid-write never leaves a truncated file under the real name
     if dist.is_initialized():
         dist.barrier()

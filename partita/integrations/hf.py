@@ -1,0 +1,222 @@
+"""Train with the Hugging Face ``Trainer`` under partita ZeRO: :class:`PartitaTrainer`.
+
+transformers' own DeepSpeed path (``TrainingArguments(deepspeed=...)``) imports the
+``deepspeed`` package itself (``transformers.integrations.deepspeed``, accelerate's
+``DeepSpeedPlugin``), so ``import partita as deepspeed`` in a training script cannot redirect
+it. ``PartitaTrainer`` is a ``Trainer`` that takes the same DeepSpeed-style config as
+``partita_config=`` instead and hands the model to a partita engine:
+
+    trainer = PartitaTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                             partita_config="ds_config.json")
+    trainer.train()
+
+What changes inside the Trainer (everything else, logging, callbacks, evaluation, data
+loading and sharding across ranks, is the Trainer's own):
+
+- the engine is built where the Trainer builds its optimizer, from the config with ``"auto"``
+  filled from ``TrainingArguments`` (:func:`partita.integrations.hf_config.resolve_trainer_config`)
+  and the Trainer's weight-decay param groups (biases and norms get none);
+- each micro-batch runs ``engine(**inputs)``, ``engine.backward(loss)``, ``engine.step()``: the
+  engine reduces gradients, clips, steps and schedules at the accumulation boundary, so the
+  Trainer's own optimizer and scheduler objects are thin views that do nothing on ``step()``
+  (the DeepSpeed integration works the same way). The Trainer's ``lr_scheduler_type`` schedule
+  is built over partita's optimizer, unless the config has a ``scheduler`` section;
+- the model is never wrapped in DDP and no autocast is added: the engine reduces gradients and
+  the config's ``bf16``/``fp16`` section sets the precision;
+- ``save_model`` gathers the whole weights (every ZeRO stage) and writes them with
+  ``save_pretrained`` (``from_pretrained`` loads them); checkpoints add a partita checkpoint
+  (``engine.save_checkpoint``) to the Trainer's checkpoint folder, and
+  ``train(resume_from_checkpoint=...)`` resumes from it (weights, optimizer, scheduler, step).
+
+A model built inside ``partita.zero.Init(config_dict_or_path=...)`` can be passed as is.
+Limits: an epoch whose micro-batch count is not a multiple of ``gradient_accumulation_steps``
+is refused at its last partial window (the engine steps only at full windows);
+``num_items_in_batch`` token weighting across micro-batches is not used (each micro-batch's
+loss is its own mean, as in DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.optimization import get_scheduler
+
+from partita.integrations.hf_config import resolve_trainer_config
+
+__all__ = ["PartitaTrainer"]
+
+logger = logging.getLogger("partita")
+
+
+class PartitaTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model trains in a partita engine.
+
+    Args:
+        partita_config: the DeepSpeed-style config (dict or JSON path); ``"auto"`` values take
+            the ``TrainingArguments``' ones.
+        *args, **kwargs: ``Trainer``'s; ``optimizers=`` is refused (the config builds them) and
+            so is ``TrainingArguments(deepspeed=...)``.
+    """
+
+    def __init__(self, *args: Any, partita_config: dict | str | os.PathLike, **kwargs: Any) -> None:
+        optimizers = kwargs.get("optimizers")
+        if optimizers is not None and any(o is not None for o in optimizers):
+            raise ValueError(
+                "PartitaTrainer builds the optimizer and scheduler from partita_config; drop optimizers=(...) "
+                "and describe them in the config's \"optimizer\"/\"scheduler\" sections (or the TrainingArguments)"
+            )
+        self.engine = None
+        self._partita_config = partita_config
+        super().__init__(*args, **kwargs)
+        if self.args.deepspeed:
+            raise ValueError(
+                "TrainingArguments(deepspeed=...) makes transformers import the deepspeed package itself; "
+                "pass the config to PartitaTrainer(partita_config=...) and leave deepspeed unset"
+            )
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        # A model built under partita.zero.Init holds shards, not storage: Module.to would copy
+        # from nothing (torch crashes on "cpu" -> "cpu:0"). It is on its device already, and
+        # partita.initialize places every other model itself.
+        if any(p.numel() and p.untyped_storage().nbytes() == 0 for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
+    # ------------------------------------------------------------------ the engine
+    def create_optimizer(self, model: Any = None) -> Any:
+        if self.engine is None:
+            self.engine = self._build_engine()
+        self.optimizer = _EngineOptimizer(self.engine)
+        return self.optimizer
+
+    def _build_engine(self) -> Any:
+        import partita
+
+        max_steps = self.state.max_steps
+        config = resolve_trainer_config(self._partita_config, self.args, world_size=self.args.world_size,
+                                        max_steps=max_steps)
+        schedule = None
+        if config.get("scheduler") is None:
+            args = self.args
+
+            def schedule(optimizer: torch.optim.Optimizer) -> Any:  # the Trainer's own schedule
+                return get_scheduler(
+                    args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.get_warmup_steps(max_steps),
+                    num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+                )
+
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        engine, _, _, _ = partita.initialize(
+            model=self.model, model_parameters=[g for g in groups if g["params"]], config=config,
+            lr_scheduler=schedule,
+        )
+        return engine
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self.lr_scheduler is None:
+            self.lr_scheduler = _EngineScheduler(self.engine)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        # Training goes through the engine (no DDP: it reduces gradients itself); evaluation runs
+        # the model directly (ZeRO-3's hooks gather parameters for an eval forward too).
+        if training and self.engine is not None:
+            return self.engine
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    # ------------------------------------------------------------------ one micro-batch
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        engine = self.engine
+        if self.accelerator.gradient_state.sync_gradients and not engine.is_gradient_accumulation_boundary():
+            raise NotImplementedError(
+                f"the Trainer ends an accumulation window after {engine.micro_steps % engine.gradient_accumulation_steps() + 1} "
+                f"micro-batches, but gradient_accumulation_steps is {engine.gradient_accumulation_steps()} (the epoch's "
+                "micro-batch count is not a multiple of it); partita steps only at full windows: pick a dataset size, "
+                "batch size and accumulation that divide, or set dataloader_drop_last=True"
+            )
+        engine.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(engine, inputs)  # the micro-batch's mean; the engine divides by accumulation
+        engine.backward(loss)
+        engine.step()
+        return loss.detach() / engine.gradient_accumulation_steps()
+
+    def _clip_grad_norm(self, model: Any) -> float | None:
+        return self.engine.get_global_grad_norm()  # the engine clipped at its step (config gradient_clipping)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
+        return self.engine.get_global_grad_norm()
+
+    # ------------------------------------------------------------------ saving and resuming
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        from partita.zero.export import consolidated_16bit_state_dict
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.engine.finish_pending_step()
+        state = consolidated_16bit_state_dict(self.engine.module, self.engine.zero)  # every rank gathers
+        self._save(output_dir, state_dict=state)  # the writing rank calls save_pretrained
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(output_dir, tag=_TAG)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path, _ = self.engine.load_checkpoint(checkpoint, tag=_TAG)
+        if path is None:
+            raise FileNotFoundError(f"{checkpoint} holds no partita checkpoint (tag {_TAG!r}) to resume from")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if os.path.isdir(os.path.join(resume_from_checkpoint, _TAG)):
+            return  # the engine's load_checkpoint restores the weights with the optimizer state
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+# The partita checkpoint inside each Trainer checkpoint folder (checkpoint-<step>/partita/).
+_TAG = "partita"
+
+
+class _EngineOptimizer:
+    """The Trainer's view of partita's optimizer: the engine steps inside ``training_step``, so
+    the Trainer's ``optimizer.step()``/``zero_grad()`` do nothing; ``param_groups`` are live."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._engine.optimizer.param_groups
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+class _EngineScheduler:
+    """The Trainer's view of the schedule the engine steps at each applied update."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return self._engine.get_lr()
