@@ -31,6 +31,7 @@ from partita.monitor.config import (
 from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
+from partita.sequence.config import SequenceParallelConfig
 from partita.tensor_parallel.config import TensorParallelConfig
 from partita.zero.config import ZeroConfig
 
@@ -225,6 +226,13 @@ class PartitaConfig(StrictSection):
         description=(
             "Ranks one sequence is split across (the topology's sequence axis; DeepSpeed-Ulysses). They read "
             "the same samples; ZeRO shards over data x sequence. DeepSpeed default 1."
+        ),
+    )
+    sequence_parallel: SequenceParallelConfig = Field(
+        default_factory=SequenceParallelConfig,
+        description=(
+            "partita only: how the sequence_parallel_size ranks of one sequence run attention, \"mode\": "
+            "\"ulysses\" (default) or \"ring\"."
         ),
     )
 
