@@ -36,6 +36,7 @@ from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
 from partita.precision.loss_scaler import build_loss_scaler
+from partita.sequence.apply import apply_sequence_parallel
 from partita.zero.api import apply_zero
 
 logger = logging.getLogger("partita")
@@ -116,6 +117,7 @@ def initialize(
 
     compute_dtype = _DTYPES[cfg.precision]
     _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage)
+    apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
