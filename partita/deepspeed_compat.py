@@ -1,0 +1,130 @@
+"""DeepSpeed names partita deliberately lacks, and the error that names each one.
+
+With ``import partita as deepspeed`` a script may reach for a DeepSpeed call partita does not
+have (``deepspeed.init_inference``, ``engine.train_batch()``, ...). A bare AttributeError
+("module 'partita' has no attribute 'init_inference'", or worse, the engine's fall-through
+"'Net' object has no attribute 'no_sync'") says nothing about why. Each name here raises
+:class:`MissingDeepSpeedFeature` with the DeepSpeed name and what to use instead.
+
+:class:`MissingDeepSpeedFeature` is both a NotImplementedError (what it means) and an
+AttributeError (what attribute lookup promises), so ``hasattr(partita, "init_inference")``
+is still False and ``getattr(obj, name, default)`` still returns the default.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+
+class MissingDeepSpeedFeature(NotImplementedError, AttributeError):
+    """A DeepSpeed API that partita does not implement; the message says what to use instead."""
+
+
+_INFERENCE = (
+    "DeepSpeed-Inference (kernel injection, inference tensor parallelism) is not part of partita, which trains "
+    "models: generate with engine.module (or engine.generate(...), which falls through to the model), or export "
+    "the weights with engine.save_16bit_model(dir) and serve them with plain PyTorch or Hugging Face"
+)
+_PIPE = (
+    "pipeline parallelism (deepspeed.pipe: PipelineModule, LayerSpec, PipelineEngine.train_batch) is not in this "
+    "build of partita (there is no partita.pipe package); train the model whole with ZeRO-3 "
+    '("zero_optimization": {"stage": 3}), which shards parameters across the data-parallel ranks instead'
+)
+
+# Top-level names (``deepspeed.X``) and DeepSpeed subpackages partita has no counterpart for.
+# A subpackage listed here (pipe, moe, sequence) is only reported missing while partita has no
+# package of that name: partita/__init__.py looks for the package first.
+TOP_LEVEL: dict[str, str] = {
+    "init_inference": f"deepspeed.init_inference: {_INFERENCE}",
+    "InferenceEngine": f"deepspeed.InferenceEngine: {_INFERENCE}",
+    "default_inference_config": f"deepspeed.default_inference_config: {_INFERENCE}",
+    "DeepSpeedInferenceConfig": f"deepspeed.DeepSpeedInferenceConfig: {_INFERENCE}",
+    "inference": f"deepspeed.inference: {_INFERENCE}",
+    "module_inject": f"deepspeed.module_inject (kernel injection): {_INFERENCE}",
+    "add_tuning_arguments": (
+        "deepspeed.add_tuning_arguments (the DeepSpeed autotuner's flags): partita has no autotuner; "
+        "`partita estimate` predicts memory per ZeRO stage and offload setting to choose one"
+    ),
+    "autotuning": "deepspeed.autotuning: partita has no autotuner; `partita estimate` predicts memory per setting",
+    "DeepSpeedTransformerLayer": (
+        "deepspeed.DeepSpeedTransformerLayer (DeepSpeed's fused CUDA transformer kernel) is not part of partita: "
+        "write the block as a torch nn.Module (SDPA attention) and enable the config's \"compile\" section"
+    ),
+    "DeepSpeedTransformerConfig": "deepspeed.DeepSpeedTransformerConfig: see DeepSpeedTransformerLayer; not part of partita",
+    "OnDevice": (
+        "deepspeed.OnDevice (build a model on the meta device or in a dtype) is not in partita: build under "
+        "partita.zero.Init(config_dict_or_path=cfg) to get it sharded, or use `with torch.device('meta'):`"
+    ),
+    "DeepSpeedConfig": (
+        "deepspeed.DeepSpeedConfig is not in partita: partita.config.load_config(path_or_dict) validates and "
+        "returns the config (engine.config on a running engine)"
+    ),
+    "compression": "deepspeed.compression (quantisation-aware training, pruning) is not part of partita",
+    "elasticity": "deepspeed.elasticity is not part of partita: `partita run --max-restarts K` restarts failed jobs",
+    "profiling": (
+        "deepspeed.profiling is not in partita under that name: enable the config's \"flops_profiler\" section "
+        "(engine.flops_profile() returns the result) or use partita.monitor.flops_profiler"
+    ),
+    "pipe": f"deepspeed.pipe: {_PIPE}",
+    "PipelineModule": f"deepspeed.PipelineModule: {_PIPE}",
+    "PipelineEngine": f"deepspeed.PipelineEngine: {_PIPE}",
+    "LayerSpec": f"deepspeed.pipe.LayerSpec: {_PIPE}",
+    "TiedLayerSpec": f"deepspeed.pipe.TiedLayerSpec: {_PIPE}",
+    "moe": "deepspeed.moe (mixture of experts) is not in this build of partita (there is no partita.moe package)",
+    "sequence": (
+        "deepspeed.sequence (Ulysses sequence parallelism) is not in this build of partita (there is no "
+        "partita.sequence package)"
+    ),
+}
+
+# DeepSpeedEngine methods and attributes scripts use that partita's Engine does not have.
+ENGINE: dict[str, str] = {
+    "train_batch": f"engine.train_batch() belongs to DeepSpeed's PipelineEngine: {_PIPE}",
+    "eval_batch": f"engine.eval_batch() belongs to DeepSpeed's PipelineEngine: {_PIPE}",
+    "no_sync": (
+        "engine.no_sync() is not in partita: the engine already reduces gradients only at the accumulation "
+        "boundary (ZeRO 0/1; ZeRO 2/3 reduce each micro-batch by design); set gradient_accumulation_steps in the "
+        "config instead of skipping reductions by hand"
+    ),
+    "set_gradient_accumulation_boundary": (
+        "engine.set_gradient_accumulation_boundary() is not in partita: the boundary follows gradient_accumulation_steps "
+        "(engine.is_gradient_accumulation_boundary() says where you are)"
+    ),
+    "offload_states": (
+        "engine.offload_states() is not in partita: offload is configured for the whole run "
+        "(zero_optimization.offload_optimizer / offload_param)"
+    ),
+    "reload_states": "engine.reload_states() is not in partita: see offload_states",
+    "set_train_batch_size": "engine.set_train_batch_size() is not in partita: batch sizes are fixed at initialize()",
+    "set_train_micro_batch_size": "engine.set_train_micro_batch_size() is not in partita: batch sizes are fixed at initialize()",
+    "module_state_dict": (
+        "engine.module_state_dict() is not in partita: engine.state_dict() (the module's, whole at ZeRO 0-2), "
+        "engine.get_fp32_state_dict() (fp32 weights at every stage) or engine.save_16bit_model(dir)"
+    ),
+    "get_summary_writer": (
+        "engine.get_summary_writer() is not in partita: the config's \"tensorboard\" section writes every logged "
+        "metric; log your own with torch.utils.tensorboard.SummaryWriter"
+    ),
+    "monitor": "engine.monitor is not in partita: the tensorboard / csv_monitor / wandb config sections write the metrics",
+    "get_mom": "engine.get_mom() is not in partita: read engine.optimizer.param_groups[i]['betas'] (or 'momentum')",
+    "empty_partition_cache": (
+        "engine.empty_partition_cache() is not in partita: ZeRO-3 frees every gathered parameter at the end of "
+        "its unit's backward (stage3_max_reuse_distance: 0 frees them at the end of each forward too)"
+    ),
+}
+
+
+def missing_top_level(name: str) -> NoReturn | None:
+    """Raise for a DeepSpeed top-level name partita lacks; return None for any other name."""
+    message = TOP_LEVEL.get(name)
+    if message is not None:
+        raise MissingDeepSpeedFeature(message)
+    return None
+
+
+def missing_engine_attribute(name: str) -> NoReturn | None:
+    """Raise for a DeepSpeedEngine attribute partita's Engine lacks; return None for any other name."""
+    message = ENGINE.get(name)
+    if message is not None:
+        raise MissingDeepSpeedFeature(message)
+    return None
