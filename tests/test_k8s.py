@@ -148,8 +148,9 @@ def test_pytorchjob_manifests_validate_and_say_what_was_asked() -> None:
                                      "minReplicas": 4, "maxReplicas": 4, "maxRestarts": 3}
     assert spec["nprocPerNode"] == "8" and set(spec["pytorchReplicaSpecs"]) == {"Worker"}
     worker = spec["pytorchReplicaSpecs"]["Worker"]
-    assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
+    assert worker["replicas"] == 4 and worker["restartPolicy"] == "ExitCode"
     pod = worker["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # ExitCode: the operator, not the kubelet, recreates the pod
     assert pod["terminationGracePeriodSeconds"] == 600
     (container,) = pod["containers"]
     assert container["name"] == "pytorch"  # the operator looks for this container and port name
@@ -233,6 +234,23 @@ def test_k8s_command_writes_yaml_that_reads_back(tmp_path: Path, capsys: pytest.
     assert render_yaml(docs) == out.read_text()
     assert main(["k8s", "jobset", "--name", "Bad", "--image", "i", "train.py"]) == 2
     assert "partita k8s: error: --name 'Bad' must be a DNS-1035 label" in capsys.readouterr().err
+
+
+def test_grace_period_is_checked_against_the_configs_save_deadline(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    from partita.checkpoint.config import CheckpointConfig
+
+    if "signal_save_deadline_seconds" not in CheckpointConfig.model_fields:
+        pytest.skip("checkpoint.signal_save_deadline_seconds (preemption saves) is not in this tree")
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 1, "checkpoint": {"signal_save_deadline_seconds": 120}}')
+    argv = ["k8s", "jobset", "--name", "j", "--image", "i", "--config", str(config), "train.py"]
+    assert main(argv[:2] + ["--grace-period", "120"] + argv[2:]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "partita k8s: error: --grace-period 120 s is not above checkpoint.signal_save_deadline_seconds 120 s: the "
+        "kubelet would SIGKILL the pod before partita's save on SIGTERM may finish; give a grace period of at least "
+        "the deadline plus one training step")
+    assert main(argv[:2] + ["--grace-period", "180"] + argv[2:]) == 0
 
 
 # ----------------------------------------------------------------------------- the pod's environment

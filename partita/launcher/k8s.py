@@ -38,8 +38,9 @@ from partita.launcher.kubernetes_env import DEFAULT_RDZV_PORT
 __all__ = ["K8sJob", "add_k8s_parser", "jobset_manifests", "pytorchjob_manifests", "render_yaml", "run_k8s_command"]
 
 # Default time between SIGTERM and SIGKILL. Kubernetes' own default is 30 s, too short for a
-# checkpoint of a large model; set --grace-period above the checkpoint's signal deadline plus
-# one training step.
+# checkpoint of a large model. On SIGTERM partita finishes the step, saves, and exits (code 200)
+# within checkpoint.signal_save_deadline_seconds (default 60); the grace period must be longer,
+# or the kubelet's SIGKILL cuts the save short. --config checks it.
 DEFAULT_GRACE_PERIOD_S = 300
 CONTAINER = "pytorch"  # the PyTorchJob operator finds its port on the container of this name
 PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # ... and on the port of this name
@@ -70,7 +71,7 @@ class K8sJob:
     shm_size: str | None = None
     grace_period_s: int = DEFAULT_GRACE_PERIOD_S
     max_restarts: int = 3
-    restart_policy: str = "OnFailure"
+    restart_policy: str = "ExitCode"
     rdzv_port: int = DEFAULT_RDZV_PORT
     namespace: str | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
@@ -200,9 +201,9 @@ def pytorchjob_manifests(job: K8sJob) -> list[dict[str, Any]]:
     """A checkpoint claim (unless --pvc) and a Kubeflow PyTorchJob with an elastic c10d policy."""
     _check(job, kind="pytorchjob")
     container = _container(job, port_name=PYTORCHJOB_PORT_NAME, env=[])
-    # The operator restarts a failed pod's container (OnFailure) or decides by exit code
-    # (ExitCode: 1-127 permanent, 128-255 such as 143 after SIGTERM retried; the pod itself
-    # then never restarts, the operator recreates it).
+    # ExitCode (default): the operator recreates a pod that exited 128-255 (killed by a signal,
+    # or partita's preemption exits 200-202) and fails the job on 1-127 (a bug would only fail
+    # again); OnFailure restarts the container on any non-zero exit.
     pod_restart = "OnFailure" if job.restart_policy == "OnFailure" else "Never"
     worker = {
         "replicas": job.nnodes,
@@ -318,14 +319,29 @@ def add_k8s_parser(commands: Any) -> None:
     p.add_argument("--grace-period", type=int, default=DEFAULT_GRACE_PERIOD_S,
                    help=f"seconds between SIGTERM and SIGKILL, time for the preemption save (default {DEFAULT_GRACE_PERIOD_S})")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts before the job fails (default 3)")
-    p.add_argument("--restart-policy", choices=_RESTART_POLICIES, default="OnFailure",
-                   help="pytorchjob replica restart policy (default OnFailure)")
+    p.add_argument("--restart-policy", choices=_RESTART_POLICIES, default="ExitCode",
+                   help="pytorchjob replica restart policy (default ExitCode: retry exits 128-255, fail on 1-127)")
+    p.add_argument("--config", default=None,
+                   help="the training config: check --grace-period against its checkpoint save deadline")
     p.add_argument("--rdzv-port", type=int, default=DEFAULT_RDZV_PORT, help=f"c10d port (default {DEFAULT_RDZV_PORT})")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra container variable")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
     p.add_argument("-o", "--output", default=None, help="write the YAML here instead of stdout")
     p.add_argument("script", help="training script inside the image (or module with --module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def check_grace_period(grace_period_s: int, config: Any) -> None:
+    """Refuse a grace period that ends before the config's preemption-save deadline."""
+    from partita.config import load_config
+
+    deadline = getattr(load_config(config).checkpoint, "signal_save_deadline_seconds", None)
+    if deadline is not None and grace_period_s <= deadline:
+        raise ValueError(
+            f"--grace-period {grace_period_s} s is not above checkpoint.signal_save_deadline_seconds {deadline:g} s: "
+            "the kubelet would SIGKILL the pod before partita's save on SIGTERM may finish; give a grace period of "
+            "at least the deadline plus one training step"
+        )
 
 
 def _job_from_args(args: argparse.Namespace) -> K8sJob:
@@ -349,8 +365,10 @@ def run_k8s_command(args: argparse.Namespace) -> int:
     """Print (or write) the manifests; a wrong input is one error line and status 2."""
     try:
         job = _job_from_args(args)
+        if args.config is not None:
+            check_grace_period(job.grace_period_s, args.config)
         docs = pytorchjob_manifests(job) if args.kind == "pytorchjob" else jobset_manifests(job)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # ConfigError is a ValueError
         print(f"partita k8s: error: {error}", file=sys.stderr)
         return 2
     text = render_yaml(docs)
