@@ -34,12 +34,17 @@ del _old, _new
 
 
 def all_reduce(
-    tensor: torch.Tensor, *, group: dist.ProcessGroup | None, purpose: str, async_op: bool = False
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    purpose: str,
+    async_op: bool = False,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> dist.Work | None:
-    """Sum ``tensor`` over ``group`` in place."""
+    """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
     token = COMMS_LOGGER.start("all_reduce", _nbytes(tensor), tensor, group, purpose)
     with explain_collective_failure(purpose):
-        work = dist.all_reduce(tensor, group=group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     COMMS_LOGGER.finish(token, work)
     return work
 

@@ -95,10 +95,12 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # Shapes come from qkv's output, not from n_head: tensor parallelism gives each rank
-        # whole heads (a column shard of q, k and v), and the code below is the same for them.
-        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # Shapes come from qkv's output, not from x or n_head: tensor parallelism gives each rank
+        # whole heads (a column shard of q, k and v), and sequence parallelism feeds x as a
+        # sequence shard that qkv gathers; the code below is the same for all of them.
+        qkv = self.qkv(x)
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim): SDPA attends over the last two dims.
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = self.attend(q, k, v)
