@@ -31,6 +31,7 @@ from partita.distributed import collectives
 from partita.distributed.init import current_device, init_distributed
 from partita.distributed.topology import Axis, Topology, build_topology, resolve_mesh_shape
 from partita.engine import Engine
+from partita.moe.registry import bind_experts
 from partita.monitor.setup import prepare_monitoring
 from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
@@ -116,7 +117,11 @@ def initialize(
     param_groups = normalize_param_groups(source_groups, model)
 
     compute_dtype = _DTYPES[cfg.precision]
-    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage)
+    # MoE layers get their expert groups (collective: same order everywhere); expert parameters
+    # are then broadcast, reduced and ZeRO-sharded within their expert-data group only.
+    expert_comms = bind_experts(model, topology)
+    _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage,
+                 expert_comms=expert_comms)
     apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
@@ -142,6 +147,7 @@ def initialize(
         predivide_factor=cfg.gradient_predivide_factor,
         accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
         aio=cfg.aio,
+        param_comms=expert_comms,
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
@@ -207,7 +213,8 @@ def _configure_logging(topology: Topology) -> None:
 
 @torch.no_grad()
 def _place_model(
-    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int
+    model: nn.Module, *, device: torch.device, dtype: torch.dtype, topology: Topology, stage: int,
+    expert_comms: dict | None = None,
 ) -> None:
     """Move to the device, cast to the compute dtype, and make every rank hold rank 0's weights.
 
@@ -235,10 +242,18 @@ def _place_model(
     if topology.zero_size > 1:
         # Like DDP: ranks may have initialised differently (different seeds); rank 0 of each
         # group holding the same weights (data x sequence) wins.
+        # Expert parameters differ across expert ranks: only their expert-data group (the ranks
+        # holding the same experts) takes its first rank's copy.
         src = dist.get_global_rank(topology.zero_group, 0)
+        expert_comms = expert_comms or {}
         skip = {id(p) for p in presharded}
         for tensor in [p for p in params if id(p) not in skip] + list(model.buffers()):
-            collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
+            comm = expert_comms.get(tensor)
+            if comm is None:
+                collectives.broadcast(tensor.data, src=src, group=topology.zero_group, purpose="initial weight broadcast")
+            elif comm.size > 1:
+                collectives.broadcast(tensor.data, src=dist.get_global_rank(comm.process_group, 0),
+                                      group=comm.process_group, purpose="initial expert weight broadcast")
 
 
 def _inner_optimizer_factory(optimizer: Any, cfg: PartitaConfig, device_type: str):

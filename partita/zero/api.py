@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,8 +19,9 @@ from partita.zero.init_context import forget_init_shards
 from partita.zero.param_gatherer import ParameterGatherer
 from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
-from partita.zero.shard_group import ShardedParamGroup
+from partita.zero.shard_group import ShardComm, ShardedParamGroup
 from partita.zero.sharded_optimizer import ShardedOptimizer
+from partita.tensor_parallel.layers import replicated_elsewhere
 
 InnerOptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -47,6 +49,7 @@ def apply_zero(
     predivide_factor: float = 1.0,
     accumulate_in_fp32: bool = False,
     aio: AioConfig | None = None,
+    param_comms: Mapping[nn.Parameter, ShardComm] | None = None,
 ) -> ZeroState:
     """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
 
@@ -65,11 +68,14 @@ def apply_zero(
         predivide_factor: divide gradients by this before the cross-rank sum, by world/factor after.
         accumulate_in_fp32: at stages 0/1, sum micro-batch gradients in fp32 (stages 2/3 always do).
         aio: the root config's ``aio`` section (NVMe swap I/O); None: its defaults.
+        param_comms: parameters reduced and sharded over a group other than the ZeRO group
+            (expert parameters over their expert-data group, see partita/moe); each user
+            param group is split into one ZeRO group per comm, the ZeRO group's part first.
+            Gradients are still averaged over the whole ZeRO world (see reducer.py).
     """
     offload = config.offload_optimizer
     policy = ZeroPolicy.for_stage(config.stage)
-    num_shards = policy.num_shards(topology.zero_size)
-    shard_rank = topology.zero_rank if num_shards > 1 else 0  # stage 0: every rank owns everything
+    dense = ShardComm(topology.zero_group if topology.zero_size > 1 else None, topology.zero_size, topology.zero_rank)
     order = registration_index(module)
     device = next(p.device for raw in param_groups for p in raw["params"])
     transfer = (
@@ -80,22 +86,26 @@ def apply_zero(
     groups = []
     for source_index, raw in enumerate(param_groups):
         options = {k: v for k, v in raw.items() if k != "params"}
-        for part, part_transfer in _offload_split(raw["params"], order, offload.ratio, transfer):
-            groups.append(
-                ShardedParamGroup(
-                    # Layout order = reverse registration order, the order backward produces
-                    # gradients in, so reduce buckets fill front to back (see reducer.py).
-                    sorted(part, key=lambda p: -order[p]),
-                    options=options,
-                    num_shards=num_shards,
-                    shard_rank=shard_rank,
-                    alignment=alignment,
-                    # ZeRO-3 frees parameter storage between uses: it must not be the master's.
-                    may_alias_params=not policy.shard_parameters,
-                    host_transfer=part_transfer,
-                    source_index=source_index,
+        for comm, by_comm in _comm_split(raw["params"], param_comms or {}, dense):
+            num_shards = policy.num_shards(comm.size)
+            shard_rank = comm.rank if num_shards > 1 else 0  # stage 0: every rank owns everything
+            for part, part_transfer in _offload_split(by_comm, order, offload.ratio, transfer):
+                groups.append(
+                    ShardedParamGroup(
+                        # Layout order = reverse registration order, the order backward produces
+                        # gradients in, so reduce buckets fill front to back (see reducer.py).
+                        sorted(part, key=lambda p: -order[p]),
+                        options=options,
+                        num_shards=num_shards,
+                        shard_rank=shard_rank,
+                        alignment=alignment,
+                        # ZeRO-3 frees parameter storage between uses: it must not be the master's.
+                        may_alias_params=not policy.shard_parameters,
+                        host_transfer=part_transfer,
+                        source_index=source_index,
+                        comm=comm,
+                    )
                 )
-            )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
     optimizer = ShardedOptimizer(
         groups,
@@ -105,6 +115,9 @@ def apply_zero(
         gradient_clipping=gradient_clipping,
         allgather_bucket_numel=config.allgather_bucket_size,
         delayed_update=offload.enabled and offload.delayed_param_update,
+        # Tensor parallelism: the norm also sums over the tensor axis, each replicated parameter once.
+        model_parallel_group=topology.tensor_group if topology.tensor_size > 1 else None,
+        uncounted_params=replicated_elsewhere(topology),
     )
     if offload.device == "nvme":
         # Everything of "cpu" offload, plus the optimizer states in swap files (ZeRO-Infinity).
@@ -148,6 +161,19 @@ def apply_zero(
     state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer)
     register_owner((p for g in groups for p in g.params), state)
     return state
+
+
+def _comm_split(
+    params: list[nn.Parameter], param_comms: Mapping[nn.Parameter, ShardComm], dense: ShardComm
+) -> list[tuple[ShardComm, list[nn.Parameter]]]:
+    """Cut one optimizer group by the comm its parameters reduce over: the ZeRO group's part
+    first, then one part per other comm in order of first appearance (the same on every rank:
+    parameter order and comm assignment are identical everywhere)."""
+    parts: dict[int, tuple[ShardComm, list[nn.Parameter]]] = {id(dense): (dense, [])}
+    for param in params:
+        comm = param_comms.get(param, dense)
+        parts.setdefault(id(comm), (comm, []))[1].append(param)
+    return [(comm, part) for comm, part in parts.values() if part]
 
 
 def _offload_split(

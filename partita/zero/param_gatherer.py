@@ -417,7 +417,7 @@ class ParameterGatherer:
             if live + need > self._max_live_numel:
                 break
             if todo:
-                self._start_gather(todo)
+                self._start_gathers(todo)
                 self.prefetch_count += 1
             live += need
             ahead += need
@@ -440,10 +440,20 @@ class ParameterGatherer:
         for ticket in sorted({self._in_flight_of[p] for p in params if p in self._in_flight_of}):
             self._finish_gather(ticket)
         todo = [p for p in params if self._state.get(p) is ParamState.SHARDED]
-        if todo:
-            self._finish_gather(self._start_gather(todo))
+        for ticket in self._start_gathers(todo):
+            self._finish_gather(ticket)
 
-    def _start_gather(self, params: list[nn.Parameter]) -> int:
+    def _start_gathers(self, params: list[nn.Parameter]) -> list[int]:
+        """One all-gather per process group among ``params`` (their ZeRO groups' comms: expert
+        parameters gather within their expert-data group), in first-parameter order, which is
+        the same on every rank."""
+        by_comm: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+        for param in params:
+            comm = self._groups[self._where[param][0]].comm
+            by_comm.setdefault(id(comm), (comm, []))[1].append(param)
+        return [self._start_gather(part, comm) for comm, part in by_comm.values()]
+
+    def _start_gather(self, params: list[nn.Parameter], comm=None) -> int:
         pieces, columns, column = [], [], 0
         for param in params:
             self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
@@ -456,12 +466,13 @@ class ParameterGatherer:
         with storage.issue():
             local = storage.fetch(pieces, column)
             work = None
-            if self._world_size == 1:
+            size, process_group = (self._world_size, self._process_group) if comm is None else (comm.size, comm.process_group)
+            if size == 1:
                 gathered = local.view(1, -1)
             else:
-                gathered = torch.empty((self._world_size, column), dtype=local.dtype, device=local.device)
+                gathered = torch.empty((size, column), dtype=local.dtype, device=local.device)
                 work = collectives.all_gather_into_tensor(
-                    gathered.view(-1), local, group=self._process_group, purpose="ZeRO-3 parameter all-gather",
+                    gathered.view(-1), local, group=process_group, purpose="ZeRO-3 parameter all-gather",
                     async_op=True,
                 )
             ready = storage.issued()

@@ -13,6 +13,17 @@ A rank can never deadlock the others by skipping a bucket.
 - stage 0 (``num_shards == 1``): ``all_reduce`` of the bucket; every rank keeps it all.
 - stages 1 and 2 (``num_shards == world``): ``reduce_scatter_tensor`` of the packed bucket;
   each rank keeps its row (see :mod:`partita.zero.partition`).
+
+[Note: one process group per ZeRO group]
+Each ZeRO group carries its own :class:`~partita.zero.shard_group.ShardComm` (default: the
+whole ZeRO group). A bucket holds parameters of one comm only, and its collective runs over
+that comm; buckets of every comm are launched in one order (by their first parameter's
+position), identical on every rank, so no two ranks wait on different groups. The average
+is always over the ZeRO world (``world_size``), whatever group the sum ran over: expert
+parameters (partita/moe) are summed over their expert-data group only, because the MoE
+all-to-all already summed, in each expert's own backward, the contributions of every token
+routed to it from its expert group; (sum over expert-data ranks) / world is then exactly the
+data-parallel mean gradient of the whole model.
 Stages 0 and 1 reduce only in the backward of the last micro-batch of an accumulation
 window (gradients accumulate in ``param.grad`` before that); stage 2 reduces in every
 micro-batch's backward and frees ``param.grad`` as soon as it is packed, so full-size
@@ -31,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.distributed import collectives
-from partita.zero.shard_group import ShardedParamGroup, pack_into_columns
+from partita.zero.shard_group import ShardComm, ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
 
 
@@ -61,6 +72,10 @@ class _ReduceBucket:
     entries: tuple[_Entry, ...]
     runs: tuple[_Run, ...]
     shard_numel: int
+    comm: ShardComm
+    num_shards: int
+    shard_rank: int
+    in_place: bool  # see [Note: in-place reduction]
     # Per-backward state.
     packed: torch.Tensor | None = None
     pending: set[int] = field(default_factory=set)
@@ -112,12 +127,12 @@ class GradientReducer:
         # docs/performance-notes.md).
         self._download_during_backward = download_during_backward
         self._process_group = process_group
-        self._world_size = world_size
-        self._num_shards = groups[0].layout.num_shards
+        self._world_size = world_size  # what every gradient is averaged over (the ZeRO world)
+        default = ShardComm(process_group, world_size, dist.get_rank(process_group) if world_size > 1 else 0)
+        self._comms = [g.comm if g.comm is not None else default for g in groups]
         self._reduce_every_micro_batch = reduce_every_micro_batch
         self._use_reduce_scatter = use_reduce_scatter
         self._overlap_comm = overlap_comm
-        self._shard_rank = groups[0].shard_rank
         self._comm_dtype = comm_dtype  # None: the gradients' own dtype
         self._predivide = predivide_factor
         # data_types.grad_accum_dtype=fp32 at stages 0/1: micro-batch gradients are summed in
@@ -127,13 +142,7 @@ class GradientReducer:
         # [Note: in-place reduction] With unsharded fp32 gradients (stage 0 in fp32, or fp32
         # communication) the fp32 partition can be the bucket itself: each gradient is added
         # into it pre-divided by the world size and its runs are all-reduced in place, one
-        # pass over the gradients instead of a pack copy plus an add.
-        first = groups[0].params[0]
-        self._in_place = (
-            num_shards_of(groups) == 1
-            and world_size > 1
-            and (comm_dtype or first.dtype) == torch.float32
-        )
+        # pass over the gradients instead of a pack copy plus an add. Decided per bucket.
         self._buckets = self._build_buckets(registration_index, bucket_numel)
         self._bucket_of: dict[nn.Parameter, tuple[int, int]] = {}
         for b, bucket in enumerate(self._buckets):
@@ -147,23 +156,36 @@ class GradientReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
     def _build_buckets(self, registration_index: dict[nn.Parameter, int], bucket_numel: int) -> list[_ReduceBucket]:
-        ordered = sorted(
-            ((g, spec) for g, group in enumerate(self._groups) for spec in group.layout.specs),
-            key=lambda gs: -registration_index[self._groups[gs[0]].params[gs[1].index]],
-        )
-        buckets: list[_ReduceBucket] = []
-        current: list[_Entry] = []
-        current_numel = column = 0
+        position = lambda gs: -registration_index[self._groups[gs[0]].params[gs[1].index]]  # noqa: E731
+        ordered = sorted(((g, spec) for g, group in enumerate(self._groups) for spec in group.layout.specs), key=position)
+        by_comm: dict[int, list[tuple[int, ShardSpec]]] = {}
         for g, spec in ordered:
-            if current and current_numel + spec.numel > bucket_numel:
-                buckets.append(_ReduceBucket(tuple(current), _runs(current), column))
-                current, current_numel, column = [], 0, 0
-            current.append(_Entry(g, spec, column))
-            current_numel += spec.numel
-            column += spec.shard_numel
-        if current:
-            buckets.append(_ReduceBucket(tuple(current), _runs(current), column))
-        return buckets
+            by_comm.setdefault(id(self._comms[g]), []).append((g, spec))
+        buckets: list[tuple[int, _ReduceBucket]] = []
+        for run in by_comm.values():  # each comm's parameters in backward order, cut into buckets
+            current: list[_Entry] = []
+            current_numel = column = 0
+            for g, spec in run:
+                if current and current_numel + spec.numel > bucket_numel:
+                    buckets.append(self._bucket(current, column, position))
+                    current, current_numel, column = [], 0, 0
+                current.append(_Entry(g, spec, column))
+                current_numel += spec.numel
+                column += spec.shard_numel
+            if current:
+                buckets.append(self._bucket(current, column, position))
+        # One launch order over every comm: by each bucket's first parameter (same on every rank).
+        return [bucket for _, bucket in sorted(buckets, key=lambda pb: pb[0])]
+
+    def _bucket(self, entries: list[_Entry], shard_numel: int, position) -> tuple[int, _ReduceBucket]:
+        group = self._groups[entries[0].group]
+        comm = self._comms[entries[0].group]
+        num_shards = group.layout.num_shards
+        in_place = (num_shards == 1 and comm.size > 1
+                    and (self._comm_dtype or group.params[0].dtype) == torch.float32)
+        first = position((entries[0].group, entries[0].spec))
+        return first, _ReduceBucket(tuple(entries), _runs(entries), shard_numel, comm, num_shards,
+                                    group.shard_rank, in_place)
 
     @property
     def num_buckets(self) -> int:
@@ -190,7 +212,7 @@ class GradientReducer:
             return  # accumulate (in param.grad or the fp32 sum) until the window's last micro-batch
         b, i = self._bucket_of[param]
         bucket = self._buckets[b]
-        if self._world_size == 1 and not (self._download_during_backward and self._groups[bucket.entries[i].group].offloaded):
+        if bucket.comm.size == 1 and not (self._download_during_backward and self._groups[bucket.entries[i].group].offloaded):
             # Nothing to communicate or overlap: leave the gradient in param.grad, as plain
             # torch does, and fold everything into the fp32 partition in finish_backward,
             # once activations are freed (the fp32 partition is then allocated off-peak).
@@ -231,9 +253,9 @@ class GradientReducer:
         entry = bucket.entries[i]
         if grad is not None:
             self._received[entry.group][entry.spec.index] = True
-        if self._world_size == 1 or self._in_place:
+        if bucket.comm.size == 1 or bucket.in_place:
             # The partition is the whole group: add the gradient straight into it, no bucket
-            # buffer (world 1: nothing to communicate; else see [Note: in-place reduction]).
+            # buffer (one rank: nothing to communicate; else see [Note: in-place reduction]).
             if grad is not None:
                 scale = 1.0 / self._world_size
                 self._groups[entry.group].accumulate_grad(entry.spec.partition_offset, grad.reshape(-1), scale=scale)
@@ -241,7 +263,7 @@ class GradientReducer:
         if bucket.packed is None:
             like = self._groups[entry.group].params[entry.spec.index]
             bucket.packed = torch.empty(
-                (self._num_shards, bucket.shard_numel), dtype=self._comm_dtype or like.dtype, device=like.device
+                (bucket.num_shards, bucket.shard_numel), dtype=self._comm_dtype or like.dtype, device=like.device
             )
         pack_into_columns(bucket.packed, entry.column, entry.spec, grad)
 
@@ -276,15 +298,16 @@ class GradientReducer:
     def _launch(self, bucket: _ReduceBucket) -> None:
         packed = bucket.packed
         purpose = self._purpose(self._next_launch)
-        if self._world_size == 1:
+        if bucket.comm.size == 1:
             return  # already accumulated by _pack
-        if self._in_place:
+        process_group = bucket.comm.process_group
+        if bucket.in_place:
             for run in bucket.runs:
                 group = self._groups[run.group]
                 # No gradient of this group arrived yet: the partition starts as zeros.
                 view = group.ensure_grad_partition()[run.partition_start : run.partition_start + run.numel]
                 bucket.in_place_works.append(
-                    collectives.all_reduce(view, group=self._process_group, purpose=purpose, async_op=True)
+                    collectives.all_reduce(view, group=process_group, purpose=purpose, async_op=True)
                 )
             if not self._overlap_comm:
                 for work in bucket.in_place_works:
@@ -293,14 +316,14 @@ class GradientReducer:
             return
         if self._predivide != 1.0:
             packed.div_(self._predivide)  # gradient_predivide_factor: keep fp16 sums in range
-        if self._num_shards == 1 or not self._use_reduce_scatter:
+        if bucket.num_shards == 1 or not self._use_reduce_scatter:
             # zero_optimization.reduce_scatter=false: all-reduce everything, keep our row.
-            bucket.work = collectives.all_reduce(packed, group=self._process_group, purpose=purpose, async_op=True)
-            bucket.output = packed[0] if self._num_shards == 1 else packed[self._shard_rank]
+            bucket.work = collectives.all_reduce(packed, group=process_group, purpose=purpose, async_op=True)
+            bucket.output = packed[0] if bucket.num_shards == 1 else packed[bucket.shard_rank]
         else:
             bucket.output = torch.empty(bucket.shard_numel, dtype=packed.dtype, device=packed.device)
             bucket.work = collectives.reduce_scatter_tensor(
-                bucket.output, packed.view(-1), group=self._process_group, purpose=purpose, async_op=True
+                bucket.output, packed.view(-1), group=process_group, purpose=purpose, async_op=True
             )
         if not self._overlap_comm:
             collectives.wait(bucket.work, purpose=purpose)  # overlap_comm=false: finish before backward goes on

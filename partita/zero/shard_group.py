@@ -9,15 +9,36 @@ row; ``all_gather_into_tensor`` of each rank's row rebuilds it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from partita.zero.partition import ShardLayout, ShardSpec
 
 if TYPE_CHECKING:
     from partita.offload.transfer import HostTransfer
+
+
+@dataclass(frozen=True, eq=False)
+class ShardComm:
+    """The ranks one ZeRO group reduces its gradients over and shards its partition across.
+
+    Most groups use the whole ZeRO group (data x sequence). Expert parameters use their
+    expert-data group (the ranks holding the same experts, partita/moe), so each ZeRO group
+    carries its own: ``process_group`` (None: the default group), its ``size`` and this rank's
+    ``rank`` in it. Identity matters: groups with the same ShardComm object share buckets.
+    """
+
+    process_group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"ShardComm(size={self.size}, rank={self.rank}): need size >= 1 and 0 <= rank < size")
 
 
 def pack_into_columns(out: torch.Tensor, column: int, spec: ShardSpec, full: torch.Tensor | None) -> None:
@@ -64,8 +85,12 @@ class ShardedParamGroup:
         may_alias_params: bool = True,
         host_transfer: HostTransfer | None = None,
         source_index: int = 0,
+        comm: ShardComm | None = None,
     ) -> None:
         self.params = list(params)
+        # Who this group's gradients are reduced with and its partition is sharded across
+        # (None: the reducer's and optimizer's default group, the whole ZeRO group).
+        self.comm = comm
         # The user's param group this came from: offload_optimizer.ratio < 1 cuts one user
         # group into two ZeRO groups, and checkpoints match groups across such cuts by it.
         self.source_index = source_index

@@ -305,7 +305,7 @@ class ShardedOptimizer:
         # Cast bucket by bucket: a whole-partition low-precision copy would cost
         # another 2 bytes per parameter at the memory peak.
         mine = self._low_precision(group, bucket.partition_start, bucket.partition_end)
-        gathered = self._gather_rows(mine, bucket.shard_numel)
+        gathered = self._gather_rows(mine, bucket.shard_numel, group)
         for spec in group.layout.specs[bucket.first : bucket.last]:
             column = spec.partition_offset - bucket.partition_start
             unpack_from_columns(gathered, column, spec, group.params[spec.index])
@@ -326,7 +326,7 @@ class ShardedOptimizer:
             mine = group.host_transfer.upload(packed, group.model_dtype)  # one upload for all of them
         else:
             mine = packed.to(group.model_dtype)
-        gathered = self._gather_rows(mine, sum(s.shard_numel for s in specs))
+        gathered = self._gather_rows(mine, sum(s.shard_numel for s in specs), group)
         column = 0
         for spec in specs:
             unpack_from_columns(gathered, column, spec, group.params[spec.index])
@@ -341,13 +341,16 @@ class ShardedOptimizer:
             return group.host_transfer.upload(group.master[lo:hi], group.model_dtype)  # cast on the host, copy asynchronously
         return group.master[lo:hi].to(group.model_dtype)
 
-    def _gather_rows(self, mine: torch.Tensor, row_numel: int) -> torch.Tensor:
-        """Every rank's ``mine`` as the rows of a ``(num_shards, row_numel)`` matrix."""
-        if self._num_shards == 1:
+    def _gather_rows(self, mine: torch.Tensor, row_numel: int, group: ShardedParamGroup) -> torch.Tensor:
+        """Every rank's ``mine`` as the rows of a ``(num_shards, row_numel)`` matrix, over the
+        group's own comm (expert groups: their expert-data group; see ShardComm)."""
+        num_shards = group.layout.num_shards
+        if num_shards == 1:
             return mine.view(1, -1)
-        gathered = torch.empty((self._num_shards, row_numel), dtype=mine.dtype, device=mine.device)
+        gathered = torch.empty((num_shards, row_numel), dtype=mine.dtype, device=mine.device)
+        process_group = self._process_group if group.comm is None else group.comm.process_group
         collectives.all_gather_into_tensor(
-            gathered.view(-1), mine, group=self._process_group, purpose="parameter all-gather after the optimizer step"
+            gathered.view(-1), mine, group=process_group, purpose="parameter all-gather after the optimizer step"
         )
         return gathered
 
