@@ -18,7 +18,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from partita.config.base import StrictSection
+from partita.config.base import JsonInt, StrictSection
+
+# Signals a scheduler sends before it kills a job (SIGKILL and SIGSTOP cannot be caught).
+SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT")
 
 _TAG_VALIDATION = {"ignore": "Ignore", "warn": "Warn", "fail": "Fail"}
 
@@ -92,6 +95,47 @@ class CheckpointConfig(StrictSection):
             "split over the ranks). Sizes are always checked. Default true."
         ),
     )
+
+    save_on_signal: list[str] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        description=(
+            "partita only: signals that make a job with save_dir set finish its optimizer step, save a checkpoint "
+            "every rank agrees on and exit with code 200 (SLURM --signal, Kubernetes' termination grace period). "
+            "[] turns it off. Default [\"SIGTERM\", \"SIGUSR1\"]."
+        ),
+    )
+    signal_save_deadline_seconds: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "partita only: seconds from the signal to the end of its save; a save still running then is abandoned "
+            "(the previous complete checkpoint stays latest) and the process exits with code 201. Keep it below "
+            "the scheduler's grace (SLURM --signal lead time, terminationGracePeriodSeconds). Default 60."
+        ),
+    )
+    signal_check_interval_steps: JsonInt = Field(
+        1,
+        ge=1,
+        description=(
+            "partita only: optimizer steps between the ranks' checks for a signal (one 4-byte all-reduce each); "
+            "a signal is acted on at most this many steps late. Default 1."
+        ),
+    )
+
+    @field_validator("save_on_signal")
+    @classmethod
+    def _known_signals(cls, value: list[str]) -> list[str]:
+        import signal as signals
+
+        unknown = [name for name in value if name not in SIGNAL_NAMES or not hasattr(signals, name)]
+        if unknown:
+            raise PydanticCustomError(
+                "checkpoint_unknown_signal",
+                "checkpoint.save_on_signal has {unknown}; use signal names from {allowed} ([] turns saving on a "
+                "signal off)",
+                {"unknown": unknown, "allowed": list(SIGNAL_NAMES)},
+            )
+        return list(dict.fromkeys(value))
 
     @field_validator("load_universal")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -122,8 +123,13 @@ def _run(args: argparse.Namespace) -> int:
         print("torchrun " + " ".join(argv))
         return 0
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    from partita.launcher.signals import prepare_signal_forwarding, signal_exit_code
+
+    prepare_signal_forwarding(os.environ)  # SIGUSR1 reaches the ranks, and they get time to save
 
     if args.max_restarts > 0:
         # torch 2.13's agent-hosted rendezvous store outlives a restart with the previous
@@ -141,6 +147,10 @@ def _run(args: argparse.Namespace) -> int:
         # A worker killed by a signal has a negative exitcode; the shell convention is 128+N.
         code = root_cause.exitcode
         return code if 0 < code < 256 else (128 - code if -64 < code < 0 else 1)
+    except SignalException as error:
+        # The scheduler signalled the launcher; torchrun forwarded it and waited for the ranks.
+        print(f"partita run: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
+        return signal_exit_code(error.sigval)
     return 0
 
 
