@@ -37,6 +37,7 @@ from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
 from partita.precision.loss_scaler import build_loss_scaler
+from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
 from partita.sequence.apply import apply_sequence_parallel
 from partita.zero.api import apply_zero
 
@@ -117,6 +118,9 @@ def initialize(
     param_groups = normalize_param_groups(source_groups, model)
 
     compute_dtype = _DTYPES[cfg.precision]
+    # The strategies, in this order (torchtitan's): tensor parallelism splits the whole model first,
+    # then experts, activation checkpointing, compile, and ZeRO over what each rank holds.
+    param_groups = apply_tensor_parallel_config(model, cfg.tensor_parallel, topology, param_groups)
     # MoE layers get their expert groups (collective: same order everywhere); expert parameters
     # are then broadcast, reduced and ZeRO-sharded within their expert-data group only.
     expert_comms = bind_experts(model, topology)

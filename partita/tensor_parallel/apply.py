@@ -130,6 +130,12 @@ class TensorParallelResult:
 def _build(module: nn.Module, style: Style, group, sequence_parallel: bool, name: str, shards: dict, plan) -> nn.Module:
     rank = dist.get_rank(group)
     kind = style.kind
+    if kind in ("column", "row") and _is_conv1d(module):
+        from partita.tensor_parallel import autotp
+
+        if kind == "column":
+            return autotp.Conv1DColumnParallel(module, group, chunks=style.chunks, name=name)
+        return autotp.Conv1DRowParallel(module, group, name=name)
     if kind in ("column", "row"):
         _expect(module, nn.Linear, name, kind)
         full = module.weight
@@ -178,6 +184,12 @@ class _ThenScatter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(scatter_sequence(x, self.group))
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    from partita.tensor_parallel.autotp import is_hf_conv1d
+
+    return is_hf_conv1d(module)
 
 
 def _expect(module: nn.Module, cls: type, name: str, kind: str) -> None:

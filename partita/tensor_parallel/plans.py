@@ -75,4 +75,12 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool) -> TensorParallelPlan
 
     if isinstance(model, GPT):
         return gpt_plan(model, sequence_parallel=sequence_parallel)
-    return None
+    from partita.tensor_parallel.autotp import autotp_plan
+
+    plan = autotp_plan(model)
+    if plan is not None and sequence_parallel:
+        raise NotImplementedError(
+            f"tensor_parallel.sequence_parallel is implemented for partita's reference GPT, not yet for "
+            f"{type(model).__name__} under AutoTP; set it to false"
+        )
+    return plan

@@ -12,6 +12,7 @@ from torch import nn
 from partita.distributed.topology import Topology
 from partita.tensor_parallel.apply import Style, TensorParallelPlan, apply_tensor_parallel
 from partita.tensor_parallel.config import TensorParallelConfig
+from partita.tensor_parallel.autotp import fix_attention_widths, log_replicated_linears
 from partita.tensor_parallel.plans import fork_attention_rng, plan_for
 
 logger = logging.getLogger("partita")
@@ -38,6 +39,8 @@ def apply_config(
     plan = _plan(model, config)
     result = apply_tensor_parallel(model, group=topology.tensor_group, plan=plan, sequence_parallel=config.sequence_parallel)
     fork_attention_rng(model, topology.tensor_rank)
+    fix_attention_widths(model, topology.tensor_size)
+    log_replicated_linears(model, {n for n, style in result.styles.items() if style in ("column", "row")})
     _check_same_batch_once(model, topology)
     split = sorted({style for style in result.styles.values() if style != "replicate"})
     logger.info("tensor parallel: %s; %d modules split (%s)", topology.describe(), len(result.styles), ", ".join(split))
@@ -50,7 +53,7 @@ def _plan(model: nn.Module, config: TensorParallelConfig) -> TensorParallelPlan:
     for spec in config.partition_config.layer_specs:
         for pattern in spec.patterns:
             regex = re.compile(pattern)
-            hits = [n for n in names if regex.search(n) and isinstance(model.get_submodule(n), nn.Linear)]
+            hits = [n for n in names if regex.search(n) and _is_matmul(model.get_submodule(n))]
             if not hits:
                 raise ValueError(
                     f"tensor_parallel.partition_config.layer_specs pattern {pattern!r} matches no nn.Linear of "
@@ -93,3 +96,9 @@ def _check_same_batch_once(model: nn.Module, topology: Topology) -> None:
             )
 
     handle = model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _is_matmul(module: nn.Module) -> bool:
+    from partita.tensor_parallel.autotp import is_hf_conv1d
+
+    return isinstance(module, nn.Linear) or is_hf_conv1d(module)

@@ -10,7 +10,7 @@ rank's whole partition. LR schedulers drive its ``param_groups`` as usual.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,6 +68,8 @@ class ShardedOptimizer:
         gradient_clipping: float,
         allgather_bucket_numel: int,
         delayed_update: bool = False,
+        model_parallel_group: dist.ProcessGroup | None = None,
+        uncounted_params: Collection[torch.Tensor] = (),
     ) -> None:
         self.groups = groups
         self.inner = inner
@@ -90,6 +92,17 @@ class ShardedOptimizer:
         self._fused_adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(
             g.get("fused") for g in inner.param_groups)
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
+        # Model parallelism (tensor axis): the global norm sums over the ranks holding different
+        # parts of the model too, and a parameter every tensor rank holds whole (a LayerNorm) is
+        # counted on one of them only: ``uncounted_params`` are this rank's such copies, and these
+        # are their slices of each group's gradient partition.
+        self._model_parallel_group = model_parallel_group
+        uncounted = {id(p) for p in uncounted_params}
+        self._uncounted_slices = [
+            [slice(spec.partition_offset, spec.partition_offset + (end - start))
+             for param, spec, (start, end) in group.owned_slices() if id(param) in uncounted and end > start]
+            for group in groups
+        ]
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -115,15 +128,21 @@ class ShardedOptimizer:
         # The collective runs where the model lives (offloaded masters are in host memory).
         device = self.groups[0].params[0].device
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for group in self.groups:
+        for group, uncounted in zip(self.groups, self._uncounted_slices):
             if group.grad_partition is not None:  # None: nothing reduced into it (all zeros)
                 local += group.grad_norm_sq(device)
+                for part in uncounted:
+                    local -= torch.linalg.vector_norm(group.grad_partition[part], dtype=torch.float32).square().to(device)
         if self._num_shards == 1 and self._world_size > 1 and dist.get_rank(self._process_group) != 0:
             local.zero_()  # replicated gradients: count them once, not world_size times
         flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
         packed = torch.cat([local.reshape(1), flags.to(device)])
         if self._world_size > 1:
             collectives.all_reduce(packed, group=self._process_group, purpose="gradient-norm all-reduce in the optimizer step")
+        if self._model_parallel_group is not None:
+            norm_sq = packed[:1].clamp(min=0)  # clamp: the subtraction above may leave -0.0 or -1 ulp
+            collectives.all_reduce(norm_sq, group=self._model_parallel_group, purpose="gradient-norm all-reduce over the tensor axis")
+            packed[:1] = norm_sq
         values = packed.tolist()
         used, i = [], 1
         for group in self.groups:
