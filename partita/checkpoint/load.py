@@ -65,7 +65,10 @@ def load_checkpoint(
     elif tag is not None and fmt.check_tag(tag) is not None:
         problem = fmt.check_tag(tag)
     elif coordinator.rank == 0:
-        candidates = _candidates(Path(load_dir), tag)
+        try:
+            candidates = _candidates(Path(load_dir), tag)
+        except Exception as error:  # noqa: BLE001 - reported to every rank by the handshake, not a lone crash
+            problem = f"rank 0 could not list the checkpoints in {load_dir}: {type(error).__name__}: {error}"
     payloads = coordinator.handshake({"tag": tag, "error": problem, "candidates": candidates})
     failures = [(r, p["error"]) for r, p in enumerate(payloads) if p["error"]]
     if failures:
@@ -117,10 +120,31 @@ def load_checkpoint(
 def _candidates(load_dir: Path, tag: str | None) -> list[str]:
     if tag is not None:
         return [tag]
-    latest = read_latest(load_dir)
+    latest = _read_latest_or_warn(load_dir)
     complete = [info.tag for info in scan_tags(load_dir) if info.complete]
     ordered = [latest] if latest is not None else []
     return ordered + [t for t in complete if t != latest]
+
+
+def _read_latest_or_warn(load_dir: Path) -> str | None:
+    """The tag ``latest`` names, or None (with a warning) when the file is damaged.
+
+    A damaged ``latest`` (binary bytes, several lines, a name that cannot be a tag such as
+    ``../x``) is treated like one naming a damaged tag: the newest complete tag is loaded.
+    """
+    try:
+        latest = read_latest(load_dir)
+    except (UnicodeDecodeError, OSError) as error:
+        reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else f"it cannot be read ({error})"
+        logger.warning("%s is damaged (%s); falling back to the newest complete checkpoint", load_dir / fmt.LATEST_FILE, reason)
+        return None
+    if latest is None:
+        return None
+    problem = fmt.check_tag(latest) if "\n" not in latest else "it holds more than one line"
+    if problem is not None:
+        logger.warning("%s is damaged (%s); falling back to the newest complete checkpoint", load_dir / fmt.LATEST_FILE, problem)
+        return None
+    return latest
 
 
 def _verify_jointly(coordinator: Coordinator, tag_dir: Path, *, index: int, checksums: bool) -> list[str]:

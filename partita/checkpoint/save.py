@@ -162,10 +162,18 @@ def _check_arguments(save_dir: Any, tag: str, client_state: Any) -> str | None:
 
 
 def _prepare_partial_dir(partial: Path) -> str | None:
-    """Rank 0 empties ``<tag>.partial`` (a crashed earlier save may have left one) before anyone writes."""
+    """Rank 0 removes every ``*.partial`` directory in the save directory before anyone writes.
+
+    A failed save removes its own ``.partial`` directory; one left behind means a process was
+    killed mid-save. None belongs to a save still running: every rank finished its previous
+    (asynchronous) save before this handshake, since rank 0's commit waits for all of them.
+    """
     try:
-        if partial.exists():
-            shutil.rmtree(partial)
+        for leftover in partial.parent.glob("*" + fmt.PARTIAL_SUFFIX) if partial.parent.is_dir() else ():
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+                if leftover != partial:
+                    logger.info("removed %s, left by a save that did not finish", leftover)
         partial.mkdir(parents=True)
     except OSError as error:
         return f"cannot create {partial}: {error}"
@@ -232,7 +240,13 @@ def _write_and_commit(
         what="committing the checkpoint",
     )
     if decision.get("error"):
-        raise CheckpointError(f"saving checkpoint {save_dir / tag} failed: {decision['error']} (what was written is in {partial})")
+        if coordinator.rank == 0:
+            # Every rank has read the decision (decide() waited for that) and none writes any more.
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint {save_dir / tag} failed: {decision['error']} ({partial} was removed; "
+            "the previous checkpoints and 'latest' are untouched)"
+        )
     if coordinator.rank == 0:
         logger.info(
             "saved checkpoint %s (%.1f MB in %.1f s)", save_dir / tag, decision["total_bytes"] / 1e6, time.perf_counter() - started

@@ -30,10 +30,13 @@ class Unsupported:
     ``default`` is DeepSpeed's default. For a section it is a dict of the sub-keys whose
     default values still mean "off"; a section holding only those (or ``{}``/null) is inert.
     ``hint`` says what to do instead, when there is something better than deleting the key.
+    ``modern``: the key is DeepSpeed's deprecated spelling of a setting partita has under its
+    current name (``modern`` names it); the message says so instead of "not implemented".
     """
 
     default: Any
     hint: str = ""
+    modern: str = ""
 
     def is_inert(self, value: Any) -> bool:
         """True when the value changes nothing in DeepSpeed (its default, off, or "auto")."""
@@ -54,6 +57,12 @@ class Unsupported:
         return format_value(self.default)
 
     def message(self, path: str) -> str:
+        if self.modern:
+            text = (
+                f"'{path}' is DeepSpeed's deprecated spelling of {self.modern}, which partita reads under its current "
+                f"name only; write {self.modern} instead (the value {self.harmless_form()} has no effect and is accepted)"
+            )
+            return f"{text}. {self.hint}" if self.hint else text
         text = (
             f"'{path}' is a DeepSpeed setting partita does not implement yet; remove it "
             f"(the value {self.harmless_form()} has no effect and is accepted)"
@@ -93,10 +102,13 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "comet": Unsupported(_off(), _MONITOR),
         "pipeline": Unsupported({}),
         "seq_parallel_communication_data_type": Unsupported("fp32"),
-        "prescale_gradients": Unsupported(False),
+        "prescale_gradients": Unsupported(
+            False,
+            "DeepSpeed's prescale_gradients: true divides each gradient by the data-parallel size before the sum; "
+            'partita does the same with "gradient_predivide_factor": <data-parallel size>.',
+        ),
         "amp": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
         "torch_autocast": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
-        "sparse_attention": Unsupported({}),
         "data_efficiency": Unsupported(_off()),
         "curriculum_learning": Unsupported(_off()),
         "progressive_layer_drop": Unsupported(_off()),
@@ -112,16 +124,18 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "dump_state": Unsupported(False),
         "sparse_gradients": Unsupported(False),
         "disable_allgather": Unsupported(False),
-        "fp32_allreduce": Unsupported(False),
+        "fp32_allreduce": Unsupported(
+            False, 'It means "communication_data_type": "fp32".', modern='"communication_data_type"'
+        ),
         "graph_harvesting": Unsupported(False),
         "dataloader_drop_last": Unsupported(False),
     },
     _ZERO: {
-        "cpu_offload": Unsupported(False, 'Use "offload_optimizer": {"device": "cpu"} (the current spelling).'),
-        "cpu_offload_params": Unsupported(False, 'Use "offload_param": {"device": "cpu"} (the current spelling).'),
-        "cpu_offload_use_pin_memory": Unsupported(False, 'Use "pin_memory" inside "offload_optimizer" / "offload_param".'),
+        "cpu_offload": Unsupported(False, modern='"offload_optimizer": {"device": "cpu"}'),
+        "cpu_offload_params": Unsupported(False, modern='"offload_param": {"device": "cpu"}'),
+        "cpu_offload_use_pin_memory": Unsupported(False, modern='"pin_memory" inside "offload_optimizer" / "offload_param"'),
         "stage3_model_persistence_threshold": Unsupported(9_223_372_036_854_775_807),
-        "stage3_gather_fp16_weights_on_model_save": Unsupported(False),
+        "stage3_gather_fp16_weights_on_model_save": Unsupported(False, modern='"stage3_gather_16bit_weights_on_model_save"'),
         "stage3_module_granularity_threshold": Unsupported(0),
         "stage3_use_all_reduce_for_fetch_params": Unsupported(False),
         "zero_hpz_partition_size": Unsupported(1),

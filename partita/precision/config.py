@@ -15,6 +15,15 @@ from pydantic import Field
 from partita.config.base import JsonInt, StrictSection
 
 
+# Bound on the loss scale (DeepSpeed has none: 4000 overflowed to inf in Python, 1e30 was accepted).
+# fp16 gradients run from 2**-24 (the smallest subnormal) to 65504 (< 2**16), so past 2**40 even
+# the smallest representable gradient overflows once scaled: every step would be skipped while
+# the dynamic scale halves its way back down. 2**40 is finite in fp32 (the loss is scaled in fp32)
+# and far above the powers DeepSpeed configs use (8 to 32).
+MAX_SCALE_POWER = 40
+MAX_LOSS_SCALE = float(2**MAX_SCALE_POWER)
+
+
 class FP16Config(StrictSection):
     """fp16 training with a loss scale that keeps small gradients from flushing to zero."""
 
@@ -35,12 +44,20 @@ class FP16Config(StrictSection):
     loss_scale: float = Field(
         0.0,
         ge=0,
-        description="Static loss scale; 0 selects dynamic loss scaling. DeepSpeed default 0 (dynamic).",
+        le=MAX_LOSS_SCALE,
+        description=(
+            "Static loss scale; 0 selects dynamic loss scaling. At most 2**40 (see MAX_SCALE_POWER). "
+            "DeepSpeed default 0 (dynamic)."
+        ),
     )
     initial_scale_power: JsonInt = Field(
         16,
         ge=0,
-        description="Dynamic scaling starts at 2**initial_scale_power. DeepSpeed default 16 (65536).",
+        le=MAX_SCALE_POWER,
+        description=(
+            "Dynamic scaling starts at 2**initial_scale_power; at most 40 (see MAX_SCALE_POWER). "
+            "DeepSpeed default 16 (65536)."
+        ),
     )
     loss_scale_window: JsonInt = Field(
         1000,
