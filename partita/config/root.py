@@ -31,6 +31,7 @@ from partita.monitor.config import (
 from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
+from partita.ops.sparse_attention.config import SparseAttentionConfig
 from partita.sequence.config import SequenceParallelConfig
 from partita.tensor_parallel.config import TensorParallelConfig
 from partita.zero.config import ZeroConfig
@@ -233,6 +234,13 @@ class PartitaConfig(StrictSection):
         description=(
             "partita only: how the sequence_parallel_size ranks of one sequence run attention, \"mode\": "
             "\"ulysses\" (default) or \"ring\"."
+        ),
+    )
+    sparse_attention: SparseAttentionConfig | None = Field(
+        None,
+        description=(
+            "DeepSpeed's block-sparse attention patterns (dense, fixed, variable, bigbird, bslongformer), run on "
+            "FlexAttention; the reference GPT's attention uses it. Default null (dense attention)."
         ),
     )
 
