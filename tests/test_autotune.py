@@ -114,17 +114,38 @@ def test_the_first_trials_parameter_count_prunes_the_rest(monkeypatch: pytest.Mo
 
 
 def test_early_stopping_and_the_trial_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    names = [f"z1_mb{mb}_ckpt-none_off-none" for mb in (1, 2, 4, 8)]
-    records, _ = run_fake(monkeypatch, tmp_path, dict(zip(names, [9.0, 8.0, None, 20.0])), micro_batches=(1, 2, 4, 8),
-                          autotuning={"tuner_early_stopping": 2})
-    assert [r.status for r in records] == ["ok", "ok", "oom", "skipped"]
-    assert records[3].note == "early stop: 2 trials in a row without improvement (tuner_early_stopping)"
+    names = [f"z1_mb{mb}_ckpt-none_off-none" for mb in (1, 2, 4, 8, 16)]
+    # Failures before the first finished trial do not count; after it, two without improvement stop.
+    records, _ = run_fake(monkeypatch, tmp_path, dict(zip(names, [None, 9.0, 8.0, None, 20.0])),
+                          micro_batches=(1, 2, 4, 8, 16), autotuning={"tuner_early_stopping": 2})
+    assert [r.status for r in records] == ["oom", "ok", "ok", "oom", "skipped"]
+    assert records[4].note == "early stop: 2 trials in a row without improvement (tuner_early_stopping)"
+    names = names[:4]
     records, _ = run_fake(monkeypatch, tmp_path, dict(zip(names, [1.0, 2.0, 3.0, 4.0])), micro_batches=(1, 2, 4, 8),
                           autotuning={"tuner_num_trials": 2})
     assert [r.status for r in records] == ["ok", "ok", "skipped", "skipped"]
     assert best_record(records, "throughput").point.micro_batch == 2
     with open(tmp_path / "trials.csv") as f:
         assert [row["status"] for row in csv.DictReader(f)] == ["ok", "ok", "skipped", "skipped"]
+
+
+def test_tune_command_writes_where_its_flags_say(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(BASE))
+    monkeypatch.setattr(tuner_module, "run_trial", FakeTrials({"z1_mb2_ckpt-none_off-none": 3.0,
+                                                               "z2_mb2_ckpt-none_off-none": 7.0}))
+    assert main(["tune", str(SCRIPT), "--config", str(config), "--stages", "1,2", "--micro-batches", "2",
+                 "--checkpointing", "none", "--offload", "none", "--out", str(tmp_path / "best.json"),
+                 "--csv", str(tmp_path / "t.csv"), "--exps-dir", str(tmp_path / "x"), "--", "--data", "d"]) == 0
+    assert json.loads((tmp_path / "best.json").read_text())["zero_optimization"]["stage"] == 2
+    assert (tmp_path / "t.csv").read_text().count("\n") == 3 and (tmp_path / "x" / "z2_mb2_ckpt-none_off-none").is_dir()
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    header = lines.index(["trial", "status", "tokens/s", "samples/s", "peak", "GiB", "est.", "GiB", "note"])
+    assert [line[:4] for line in lines[header + 1:header + 3]] == [
+        ["z1_mb2_ckpt-none_off-none", "ok", "48", "3"], ["z2_mb2_ckpt-none_off-none", "ok", "112", "7"]]
+    assert f"best (throughput): z2_mb2_ckpt-none_off-none -> {tmp_path / 'best.json'}" in out
 
 
 def test_batch_bounds_random_order_and_arg_mappings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -212,7 +212,8 @@ def run_tune_command(args: argparse.Namespace) -> int:
     from partita.progress import Progress
 
     try:
-        opts = _options(_split_late_options(args))
+        args = _split_late_options(args)  # --out, --csv, --exps-dir may follow the script too
+        opts = _options(args)
     except (ValueError, ConfigError, EstimateError, OSError) as error:
         print(f"partita tune: error: {error}", file=sys.stderr)
         return 2

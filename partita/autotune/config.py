@@ -22,7 +22,8 @@ x optimizer offload):
   token, from ``throughput.flops_per_token`` or a model method).
 - ``tuner_type``: ``gridsearch`` (in order) or ``random`` (shuffled); ``tuner_num_trials``
   bounds the trials run, ``tuner_early_stopping`` stops after that many trials in a row
-  without a better result.
+  without a better result (counted once a trial has finished: failures before the first
+  success do not stop the search).
 - ``arg_mappings``: config keys passed to the script as command-line flags as well
   (``{"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}``), for scripts that
   read their batch size from arguments.

@@ -237,7 +237,7 @@ def tune(opts: TuneOptions, *, exps_dir: Path, csv_path: Path | None = None,
         value = metric_value(record, at.metric) if record.status == "ok" else None
         if value is not None and (best_value is None or value > best_value):
             best_value, since_best = value, 0
-        else:
+        elif best_value is not None:  # early stopping counts from the first finished trial
             since_best += 1
         keep(record)
     return records
