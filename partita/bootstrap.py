@@ -38,6 +38,7 @@ from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
 from partita.precision.loss_scaler import build_loss_scaler
 from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
+from partita.ops.sparse_attention.apply import apply_config as apply_sparse_attention_config
 from partita.sequence.apply import apply_sequence_parallel
 from partita.zero.api import apply_zero
 
@@ -127,6 +128,7 @@ def initialize(
     _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage,
                  expert_comms=expert_comms)
     apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
+    apply_sparse_attention_config(model, cfg.sparse_attention, sequence_parallel_size=topology.sequence_size)
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set
