@@ -45,11 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
                      help="processes per node (default: all local GPUs, or 2 without a GPU)")
-    run.add_argument("--nnodes", type=int, default=None, help="number of nodes")
+    run.add_argument("--nnodes", type=_node_count, default=None,
+                     help="number of nodes, or MIN:MAX for an elastic job (with --rdzv-backend c10d)")
     run.add_argument("--node-rank", type=int, default=None, help="this node's index, 0..nnodes-1")
     run.add_argument("--master-addr", default=None, help="host of node rank 0")
     run.add_argument("--master-port", type=int, default=None, help="rendezvous port (default 29500)")
     run.add_argument("--hostfile", default=None, help="DeepSpeed-style hostfile ('HOST slots=N' lines)")
+    run.add_argument("--rdzv-backend", default=None, choices=("static", "c10d"),
+                     help="c10d: torchrun's elastic rendezvous (nodes may leave and rejoin); needs --rdzv-endpoint")
+    run.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, the same on every node")
+    run.add_argument("--rdzv-id", default=None, help="job id shared by the nodes of one c10d rendezvous")
+    run.add_argument("--rdzv-conf", default=None, help="torchrun's rendezvous options, e.g. last_call_timeout=5")
     run.add_argument("--max-restarts", type=int, default=0,
                      help="restart all workers up to K times after a failure (default 0)")
     run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
@@ -82,15 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_count(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (torchrun's elastic form) as (min, max)."""
+    parts = text.split(":")
+    try:
+        counts = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a node count N or a range MIN:MAX") from None
+    if len(counts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a node count N or a range MIN:MAX")
+    return counts[0], counts[-1]
+
+
 def run_options_from_args(args: argparse.Namespace) -> RunOptions:
     """The parsed ``run`` flags as plain data (torch is imported lazily to keep --help fast)."""
     from partita.launcher.plan import RunOptions
 
     return RunOptions(
         script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        nnodes=args.nnodes[1] if args.nnodes else None, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, hostfile=args.hostfile, max_restarts=args.max_restarts,
-        module=args.module,
+        module=args.module, min_nnodes=args.nnodes[0] if args.nnodes and args.nnodes[0] != args.nnodes[1] else None,
+        rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
     )
 
 

@@ -35,6 +35,12 @@ class RunOptions:
     hostfile: str | None = None
     max_restarts: int = 0
     module: bool = False
+    # Elastic launch by flags: --nnodes MIN:MAX with --rdzv-backend c10d --rdzv-endpoint HOST:PORT.
+    min_nnodes: int | None = None
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,42 @@ def _check_options(opts: RunOptions) -> None:
             "--hostfile already gives the node count and master address; drop --nnodes/--master-addr "
             "or drop --hostfile"
         )
+    _check_rendezvous(opts)
+
+
+def _check_rendezvous(opts: RunOptions) -> None:
+    elastic = opts.min_nnodes is not None and opts.min_nnodes != opts.nnodes
+    if opts.min_nnodes is not None and not 1 <= opts.min_nnodes <= (opts.nnodes or 0):
+        raise ValueError(f"--nnodes {opts.min_nnodes}:{opts.nnodes}: need 1 <= MIN <= MAX")
+    if opts.rdzv_backend not in (None, "static", "c10d"):
+        raise ValueError(f"--rdzv-backend {opts.rdzv_backend!r}: use c10d (elastic) or static")
+    if elastic and opts.rdzv_backend != "c10d":
+        raise ValueError(
+            f"--nnodes {opts.min_nnodes}:{opts.nnodes} (an elastic node count) needs --rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT; the static rendezvous has a fixed node count"
+        )
+    if opts.rdzv_backend == "c10d":
+        if not opts.rdzv_endpoint or ":" not in opts.rdzv_endpoint:
+            raise ValueError(
+                f"--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the same on every node; the agent on HOST "
+                f"serves the rendezvous), got {opts.rdzv_endpoint!r}"
+            )
+        if opts.node_rank is not None or opts.hostfile is not None or opts.master_addr is not None:
+            raise ValueError(
+                "--rdzv-backend c10d assigns node ranks itself; drop --node-rank, --master-addr and --hostfile"
+            )
+
+
+def _c10d_plan(opts: RunOptions, *, cuda_device_count: int) -> LaunchPlan:
+    """torchrun's c10d rendezvous from flags: nodes may join, leave and be replaced between attempts."""
+    nnodes = 1 if opts.nnodes is None else opts.nnodes
+    return LaunchPlan(
+        script=opts.script, script_args=tuple(opts.script_args),
+        nproc_per_node=default_nproc(cuda_device_count) if opts.nproc is None else opts.nproc,
+        nnodes=nnodes, node_rank=0, master_addr=None, master_port=None, max_restarts=opts.max_restarts,
+        module=opts.module, rdzv_endpoint=opts.rdzv_endpoint, rdzv_backend="c10d", rdzv_id=opts.rdzv_id,
+        rdzv_conf=opts.rdzv_conf, min_nnodes=opts.min_nnodes,
+    )
 
 
 def resolve_plan(
@@ -98,6 +140,8 @@ def resolve_plan(
 ) -> LaunchPlan:
     """Combine flags with the hostfile / Kubernetes / SLURM layout; ValueError with the fix on bad input."""
     _check_options(opts)
+    if opts.rdzv_backend == "c10d":
+        return _c10d_plan(opts, cuda_device_count=cuda_device_count)
     if kubernetes is not None and opts.hostfile is None and opts.nnodes is None and opts.master_addr is None:
         return _kubernetes_plan(opts, kubernetes, cuda_device_count=cuda_device_count)
     nnodes, node_rank, addr, port = opts.nnodes, opts.node_rank, opts.master_addr, opts.master_port
