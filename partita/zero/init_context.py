@@ -18,7 +18,7 @@ parameter, ``normal_``/``uniform_``/``fill_``/``zero_``/``copy_``, only allocate
 and keeps this rank's slice of the result. So every rank runs the same ops on the same whole
 values with the same random stream, exactly as an unsharded build does (construction is
 deterministic, so every rank issues the same gathers in the same order). View ops need no
-data and pass through. ``module.apply(fn)`` gathers each module's parameters once around
+data: the storage only gets its size back while the view is made. ``module.apply(fn)`` gathers each module's parameters once around
 ``fn`` (one collective per module rather than per op). After the context, a parameter has no
 storage until ``initialize`` or :class:`partita.zero.GatheredParameters` gathers it.
 
@@ -271,8 +271,6 @@ class _ShardedParamAccess(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.is_view:  # shares the storage, reads nothing: later ops on the view are seen
-            return func(*args, **kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         freed: list[nn.Parameter] = []
         for tensor in tensors:
@@ -281,6 +279,16 @@ class _ShardedParamAccess(TorchDispatchMode):
                 freed.append(param)
         if not freed:
             return func(*args, **kwargs)
+        if func.is_view:
+            # A view reads nothing but is checked against the storage's size: give the storage its
+            # size (no gather) while the view is made. Later ops on the view are seen like any other.
+            for param in freed:
+                param.data.untyped_storage().resize_(param.numel() * param.element_size())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                for param in freed:
+                    param.data.untyped_storage().resize_(0)
         for param in freed:
             if func in _OVERWRITES and _overwrites_whole(args, tensors, param):
                 param.data.untyped_storage().resize_(param.numel() * param.element_size())
