@@ -44,11 +44,12 @@ def train_ep(runs: list[dict]) -> list[dict]:
     for spec in runs:
         ep = spec["ep"]
         model = MoENet(num_experts=E, ep_size=ep, k=spec["k"], drop_tokens=spec["drop_tokens"],
-                       capacity_factor=spec.get("capacity_factor", 1.0), expert_rank=rank % ep)
+                       capacity_factor=spec.get("capacity_factor", 1.0), expert_rank=rank % ep,
+                       zero_gate=spec.get("zero_gate", False))
         engine, _, _, _ = partita.initialize(model=model, config=_config(world, spec["stage"], spec.get("clip", 0.0)))
         assert model.moe.local_expert_indices == list(range((rank % ep) * (E // ep), (rank % ep + 1) * (E // ep)))
         xs, ys = make_data(STEPS, MICRO * world)
-        norms = []
+        norms, routed_counts = [], []
         for step in range(STEPS):
             x = xs[step][rank * MICRO : (rank + 1) * MICRO]
             y = ys[step][rank * MICRO : (rank + 1) * MICRO]
@@ -58,9 +59,11 @@ def train_ep(runs: list[dict]) -> list[dict]:
             engine.backward(loss)
             engine.step()
             norms.append(engine.get_global_grad_norm())
+            routed_counts.append(model.moe.take_routing_stats().tokens_per_expert.tolist())
         with GatheredParameters(list(model.parameters())):
             params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-        out.append({"params": params, "experts": model.moe.local_expert_indices, "norms": norms})
+        out.append({"params": params, "experts": model.moe.local_expert_indices, "norms": norms,
+                    "counts": routed_counts})
         dist.barrier()
     return out
 
@@ -72,7 +75,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check(per_rank: list[list[dict]], runs: list[dict], world: int) -> None:
     for i, spec in enumerate(runs):
         ref, ref_norms = reference_train(num_experts=E, k=spec["k"], steps=STEPS, global_batch=MICRO * world,
-                                         world=world, clip=spec.get("clip", 0.0))
+                                         world=world, clip=spec.get("clip", 0.0), zero_gate=spec.get("zero_gate", False),
+                                         starve_rank=spec.get("starve_rank"))
         for rank, results in enumerate(per_rank):
             got = results[i]
             for name, value in got["params"].items():
@@ -84,13 +88,23 @@ def _check(per_rank: list[list[dict]], runs: list[dict], world: int) -> None:
                     assert abs(a - b) / b < 1e-5, f"{spec} rank {rank}: grad norm {a} vs reference {b}"
 
 
-RUNS_2 = [{"ep": 2, "stage": s, "k": k, "drop_tokens": d, "capacity_factor": 4.0}
-          for s, k, d in [(0, 1, False), (1, 2, True), (2, 2, False), (3, 1, True), (3, 2, False)]]
+# clip 0.3 is below the gradient norms here: the update depends on the global norm being right.
+RUNS_2 = [{"ep": 2, "stage": s, "k": k, "drop_tokens": d, "capacity_factor": 4.0, "clip": c}
+          for s, k, d, c in [(0, 1, False, 0.0), (1, 2, True, 0.3), (2, 2, False, 0.0), (3, 1, True, 0.3),
+                             (3, 2, False, 0.0)]]
+# The first step sends every token to expert 0 (all logits tie): rank 1's experts get none.
+# Rank 1's inputs are all zeros, so its routing differs from rank 0's in later steps.
+STARVED = [{"ep": 2, "stage": s, "k": 1, "drop_tokens": d, "capacity_factor": 4.0, "zero_gate": True, "starve_rank": 1}
+           for s, d in [(2, False), (3, False), (3, True)]]
 
 
 def test_ep2_on_2_ranks_every_stage() -> None:
-    per_rank = run_distributed(train_ep, 2, RUNS_2)
-    _check(per_rank, RUNS_2, 2)
+    per_rank = run_distributed(train_ep, 2, RUNS_2 + STARVED, timeout=240)
+    _check(per_rank, RUNS_2 + STARVED, 2)
+    for i in range(len(RUNS_2), len(RUNS_2 + STARVED)):
+        # Both ranks sent all their first-step tokens to expert 0 (held by rank 0); experts 2, 3 idle.
+        for rank in (0, 1):
+            assert per_rank[rank][i]["counts"][0] == [6.0, 0.0, 0.0, 0.0], per_rank[rank][i]["counts"][0]
 
 
 RUNS_4 = [
@@ -102,5 +116,42 @@ RUNS_4 = [
 
 
 def test_ep_on_4_ranks() -> None:
-    per_rank = run_distributed(train_ep, 4, RUNS_4)
+    per_rank = run_distributed(train_ep, 4, RUNS_4, timeout=240)
     _check(per_rank, RUNS_4, 4)
+
+
+def bad_ep_sizes() -> list[str]:
+    import partita
+    from partita.moe import ExpertMLP, MoE
+
+    messages = []
+    try:
+        MoE(8, ExpertMLP(8, 16), num_experts=4, ep_size=3)
+    except ValueError as error:
+        messages.append(str(error))
+    # Built before torch.distributed starts (as DeepSpeed users do): checked at initialize.
+    model = torch.nn.Sequential(MoE(8, ExpertMLP(8, 16), num_experts=4, ep_size=4))
+    try:
+        partita.initialize(model=model, config=_config(2, 1))
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_bad_ep_size_errors_name_the_numbers() -> None:
+    for messages in run_distributed(bad_ep_sizes, 2):
+        assert messages[0].startswith("num_experts=4 is not divisible by ep_size=3")
+        assert messages[1].startswith("MoE layer '0' (num_experts=4): ep_size=4 must be >= 1 and divide the "
+                                      "data-parallel size 2"), messages[1]
+
+
+STAGE0_CLIPPED = [{"ep": 2, "stage": 0, "k": 2, "drop_tokens": False, "clip": 0.3}]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ZeRO-0's global norm (sharded_optimizer._reduce_norm_and_usage) counts replicated gradients on ZeRO rank 0 "
+    "only; with ep_size > 1 the experts of the other expert ranks are then left out of the norm. The per-group "
+    "reduction is right (stage 0 parity without clipping passes above); only the shared norm code is wrong"))
+def test_stage0_clipping_norm_with_expert_parallelism() -> None:
+    per_rank = run_distributed(train_ep, 2, STAGE0_CLIPPED)
+    _check(per_rank, STAGE0_CLIPPED, 2)

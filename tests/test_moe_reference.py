@@ -37,7 +37,7 @@ class MoENet(nn.Module):
     """inp -> tanh -> MoE -> out; the loss is MSE + AUX * l_aux."""
 
     def __init__(self, *, num_experts: int, ep_size: int, k: int, drop_tokens: bool, capacity_factor: float = 1.0,
-                 expert_rank: int = 0) -> None:
+                 expert_rank: int = 0, zero_gate: bool = False) -> None:
         super().__init__()
         from partita.moe import ExpertMLP, MoE
 
@@ -49,6 +49,8 @@ class MoENet(nn.Module):
         n_local = num_experts // ep_size
         rows = slice(expert_rank * n_local, (expert_rank + 1) * n_local)
         with torch.no_grad():
+            if zero_gate:  # every logit ties: argmax sends every token to expert 0 in the first step
+                self.moe.gate.wg.weight.zero_()
             for name, value in expert_weights(num_experts).items():
                 self.moe.experts.stacked.get_parameter(name).copy_(value[rows])
 
@@ -78,7 +80,7 @@ def reference_moe(x: torch.Tensor, wg: torch.Tensor, experts: dict[str, torch.Te
     first_choice = torch.zeros(E)
     assigned = torch.zeros(E)
     for s in range(S):
-        order = torch.argsort(probs[s].detach(), descending=True).tolist()
+        order = torch.argsort(probs[s].detach(), descending=True, stable=True).tolist()  # ties: lowest index, as argmax
         chosen = order[:k]
         first_choice[chosen[0]] += 1
         for e in chosen:
@@ -98,10 +100,11 @@ def reference_moe(x: torch.Tensor, wg: torch.Tensor, experts: dict[str, torch.Te
     return torch.stack(rows), l_aux
 
 
-def reference_train(*, num_experts: int, k: int, steps: int, global_batch: int, world: int, clip: float = 0.0):
+def reference_train(*, num_experts: int, k: int, steps: int, global_batch: int, world: int, clip: float = 0.0,
+                    zero_gate: bool = False, starve_rank: int | None = None):
     """Plain torch over the global batch: the loss is the mean over the ``world`` rank chunks of
     each chunk's MSE + AUX * l_aux (the aux loss is per rank, as in DeepSpeed)."""
-    net = MoENet(num_experts=num_experts, ep_size=1, k=k, drop_tokens=False)  # only for the dense initial weights
+    net = MoENet(num_experts=num_experts, ep_size=1, k=k, drop_tokens=False, zero_gate=zero_gate)  # dense initial weights
     params = {
         "inp.weight": net.inp.weight.detach().clone(), "inp.bias": net.inp.bias.detach().clone(),
         "moe.gate.wg.weight": net.moe.gate.wg.weight.detach().clone(),
@@ -120,6 +123,8 @@ def reference_train(*, num_experts: int, k: int, steps: int, global_batch: int, 
         chunk = global_batch // world
         for r in range(world):
             x = xs[step][r * chunk : (r + 1) * chunk].reshape(-1, D)
+            if r == starve_rank:
+                x = torch.zeros_like(x)
             y = ys[step][r * chunk : (r + 1) * chunk].reshape(-1, 1)
             h = torch.tanh(x @ params["inp.weight"].t() + params["inp.bias"])
             out, l_aux = reference_moe(h, params["moe.gate.wg.weight"], experts, k)

@@ -207,8 +207,10 @@ class MoE(nn.Module):
     def _record(self, routing: Routing) -> None:
         """Accumulate routing statistics on the device (no host sync in the forward)."""
         with torch.no_grad():
-            fresh = [routing.exp_counts.float(), (~routing.kept).sum().float(),
-                     torch.tensor(float(routing.kept.numel()), device=routing.kept.device), routing.l_aux.detach().float()]
+            # Copies: the sums are updated in place and must never alias the returned l_aux / exp_counts.
+            fresh = [routing.exp_counts.float().clone(), (~routing.kept).sum().float(),
+                     torch.tensor(float(routing.kept.numel()), device=routing.kept.device),
+                     routing.l_aux.detach().float().clone()]
             if self._stats is None:
                 self._stats = fresh
             else:
