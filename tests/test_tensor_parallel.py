@@ -49,7 +49,6 @@ def _config(stage: int, tensor: int, sequence_parallel: bool, gas: int = 1) -> d
 
 def train_tp(configs: list[dict]) -> list[dict]:
     import partita
-    from partita.tensor_parallel.layers import gather_whole, tensor_shard_of
 
     out = []
     for cfg in configs:
@@ -67,16 +66,26 @@ def train_tp(configs: list[dict]) -> list[dict]:
                 engine.step()
                 losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
-        local = engine.get_fp32_state_dict(rank0_only=False)
-        whole = {}
-        for name, param in model.named_parameters():
-            shard = tensor_shard_of(param)
-            whole[name] = gather_whole(local[name], shard) if shard is not None else local[name]
+        whole = whole_params(engine, model)
         out.append({
             "params": whole, "norms": norms, "losses": losses,
             "local_numel": {n: p.numel() for n, p in model.named_parameters()},
             "layout": topo.describe(),
         })
+    return out
+
+
+def whole_params(engine, model) -> dict:
+    """Whole fp32 parameters on every rank: the masters, gathered over the tensor axis where the
+    export returned a shard."""
+    from partita.tensor_parallel.layers import gather_whole, tensor_shard_of
+
+    local = engine.get_fp32_state_dict(rank0_only=False)
+    out = {}
+    for name, param in model.named_parameters():
+        shard = tensor_shard_of(param)
+        split = shard is not None and tuple(local[name].shape) != shard.full_shape
+        out[name] = gather_whole(local[name], shard) if split else local[name]
     return out
 
 

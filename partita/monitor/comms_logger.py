@@ -261,7 +261,9 @@ class CommsLogger:
         """Totals per op and message size (and per purpose when ``debug`` is on)."""
         groups: dict[tuple[str, str | None, int], list[CommRecord]] = collections.defaultdict(list)
         for record in self.records():
-            purpose = _purpose_family(record.purpose) if self.debug else None
+            # Tensor-parallel traffic is always its own row (it is per layer, the rest per step).
+            tensor_parallel = "tensor parallel" if record.purpose.startswith("tensor parallel") else None
+            purpose = _purpose_family(record.purpose) if self.debug else tensor_parallel
             groups[(record.op, purpose, record.message_bytes)].append(record)
         rows = tuple(
             CommsRow(op, purpose, size, len(items), sum(r.seconds for r in items), items[0].group_size)

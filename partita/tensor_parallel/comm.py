@@ -99,7 +99,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group, "tensor parallel: sequence reduce-scatter (backward)"), None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.group, "tensor parallel: sequence reduce-scatter in backward"), None, None
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -110,7 +110,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_along(grad, ctx.dim, ctx.group, "tensor parallel: sequence all-gather (backward)"), None, None
+        return all_gather_along(grad, ctx.dim, ctx.group, "tensor parallel: sequence all-gather in backward"), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -121,7 +121,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_along(grad, ctx.dim, ctx.group, "tensor parallel: sequence all-gather (backward)"), None, None
+        return all_gather_along(grad, ctx.dim, ctx.group, "tensor parallel: sequence all-gather in backward"), None, None
 
 
 def copy_to_tensor(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
