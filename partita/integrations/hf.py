@@ -51,6 +51,20 @@ __all__ = ["PartitaTrainer"]
 
 logger = logging.getLogger("partita")
 
+# The Trainer methods PartitaTrainer replaces (tested with transformers 5.24). Some are private:
+# if a transformers release renames one, fail here instead of training with its default.
+_REPLACED = ("create_optimizer", "create_scheduler", "training_step", "save_model", "_wrap_model",
+             "_clip_grad_norm", "_get_grad_norm", "_move_model_to_device", "_save_optimizer_and_scheduler",
+             "_load_optimizer_and_scheduler", "_load_from_checkpoint")
+_missing = [name for name in _REPLACED if not hasattr(Trainer, name)]
+if _missing:
+    import transformers
+
+    raise ImportError(
+        f"partita.integrations.hf needs a transformers Trainer with {', '.join(_missing)} (transformers "
+        f"{transformers.__version__} lacks them); install transformers>=5.24"
+    )
+
 
 class PartitaTrainer(Trainer):
     """A ``transformers.Trainer`` whose model trains in a partita engine.
