@@ -1,7 +1,8 @@
 """Full model weights from a checkpoint, as Hugging Face-style sharded safetensors.
 
 Trainable parameters come from the fp32 master shards (exact, whatever the training
-precision); frozen parameters and buffers from the model file. The output is
+precision), tensor-parallel ones put back together from their tensor ranks' pieces; frozen
+parameters and buffers from the model file. The output is
 ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``), which
 ``transformers`` loads. Tied parameters are written once; the index lists the aliases under
@@ -28,6 +29,7 @@ from partita.checkpoint import format as fmt
 from partita.checkpoint.errors import CheckpointError
 from partita.checkpoint.reshard import ShardReader
 from partita.checkpoint.safetensors_io import TensorEntry, write_json, write_safetensors
+from partita.checkpoint.tensor_layout import assemble
 from partita.progress import progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,7 +107,8 @@ def consolidate(tag_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
         def produce(item: _Item):
             def build() -> torch.Tensor:
                 if item.from_master:
-                    full = reader.read_full(fmt.master_key(item.name), params[item.name])
+                    # A tensor-parallel parameter's pieces are put back together (tensor_layout).
+                    full = assemble(reader, fmt.master_key(item.name), params[item.name], None)
                 else:
                     full = reader.tensor(meta["model"]["file"], item.name)
                 return full.to(item.dtype).reshape(item.shape)

@@ -1,6 +1,6 @@
 """The on-disk checkpoint format: directory layout, file names and tensor keys.
 
-[Note: checkpoint format, version 1]
+[Note: checkpoint format, version 2]
 
     save_dir/
       latest                      the newest complete tag (text; replaced atomically)
@@ -31,6 +31,14 @@ parameter's last block (:mod:`partita.checkpoint.state_layout` says why this is 
 At stage 0 every rank holds the whole state, so only rank 0 writes shards (one range per
 parameter covering it all). ZeRO-3 uses the same table; its model file may then omit the
 sharded parameters, which are rebuilt from the fp32 master shards.
+
+Version 2 adds tensor parallelism (version 1 checkpoints load unchanged: they are version 2
+checkpoints without it). meta.json records ``tensor_parallel_size``; a tensor-sharded
+parameter's entry holds its whole shape, its split (``tensor``: dim, size, chunks) and one
+``pieces`` entry per tensor rank with that rank's ``{file, start, end}`` shards of its local
+tensor (:mod:`partita.checkpoint.tensor_layout` has the details and the load rules). Such
+parameters are not in the model file (like ZeRO-3's sharded ones); replicated ones are written
+by tensor rank 0 only. Rank files stay one per global rank.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from __future__ import annotations
 import re
 
 FORMAT_NAME = "partita-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"

@@ -8,7 +8,9 @@ with an explicit tag the damage is an error.
 
 Restoring reads only what this rank needs: module weights (every rank holds them at stages
 0-2), then for each parameter range this rank owns *now* the overlapping parts of the saved
-fp32 master and optimizer-state shards (:mod:`partita.checkpoint.reshard`).
+fp32 master and optimizer-state shards (:mod:`partita.checkpoint.reshard`); for a
+tensor-parallel shard, the parts of the saved tensor-rank pieces that make up this rank's
+shard now, at any tensor size (:mod:`partita.checkpoint.tensor_layout`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,21 @@ from partita.checkpoint.manifest import check_files, read_latest, read_manifest,
 from partita.checkpoint.reshard import ShardReader
 from partita.checkpoint.rng import restore_rng
 from partita.checkpoint.save import checkpoint_config, long_timeout_s, wait_for_pending_save
-from partita.checkpoint.snapshot import IMPLEMENTATION_OPTIONS, LOCAL_MASTER, param_names, shard_file_of, sharded_param_keys
-from partita.checkpoint.state_layout import block_range, block_shards, element_shards, element_stop
+from partita.checkpoint.snapshot import (
+    IMPLEMENTATION_OPTIONS,
+    LOCAL_MASTER,
+    param_names,
+    shard_file_of,
+    split_of,
+    sharded_param_keys,
+    tensor_rank_files,
+)
+from partita.checkpoint.state_layout import block_range, element_shards, element_stop
+from partita.checkpoint.tensor_layout import check_block_wise, full_shape_of, last_shard_file, read_blocks, read_elements
 from partita.checkpoint.sync import Coordinator
 from partita.data.sampler import ResumableDistributedSampler
 from partita.optim.eight_bit import BLOCK_SIZE
+from partita.tensor_parallel.shard_ranges import local_slice
 
 if TYPE_CHECKING:
     from partita.engine import Engine
@@ -235,6 +247,7 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
         )
     extra_values: dict[str, Any] = {}
     via_master = set(skip)
+    tensor_shards = {k: split_of(p) for k, p in module.named_parameters(remove_duplicate=False) if split_of(p)}
     for key, target in current.items():
         if key not in saved_keys or key in skip:
             continue
@@ -248,6 +261,10 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
                 continue
             raise CheckpointCorruptError(f"{reader.tag_dir / model_meta['file']} has no tensor {source!r}")
         value = reader.tensor(model_meta["file"], source)
+        shard = tensor_shards.get(key)
+        if shard is not None and tuple(value.shape) == tuple(shard.full_shape):
+            # A whole tensor (saved without tensor parallelism): this rank's shard of it.
+            value = local_slice(value, dim=shard.dim, size=shard.size, rank=shard.rank, chunks=shard.chunks)
         if tuple(value.shape) != tuple(target.shape):
             raise CheckpointMismatchError(
                 f"'{key}' has shape {list(value.shape)} in the checkpoint and {list(target.shape)} in this model"
@@ -274,9 +291,14 @@ def _masters_for_module_only(engine: Engine, reader: ShardReader, meta: dict[str
                 target.copy_(param.detach().reshape(-1)[start:end])
             elif name in saved or source in saved:
                 record = saved.get(name) or saved[source]
-                reader.read_range(fmt.master_key(source if name not in saved else name), record["shards"], start, end, target)
+                key = fmt.master_key(source if name not in saved else name)
+                read_elements(reader, key, record, split_of(param), start, end, target)
             elif source in model_meta["tensors"]:
-                target.copy_(reader.tensor(model_meta["file"], source).reshape(-1)[start:end])
+                value = reader.tensor(model_meta["file"], source)
+                shard = split_of(param)
+                if shard is not None:
+                    value = local_slice(value, dim=shard.dim, size=shard.size, rank=shard.rank, chunks=shard.chunks)
+                target.copy_(value.reshape(-1)[start:end])
             else:
                 raise CheckpointMismatchError(f"the checkpoint has no weights for parameter '{name}'")
 
@@ -289,7 +311,9 @@ def _few(names: list[str], limit: int = 8) -> str:
 def _check_parameters(engine: Engine, meta: dict[str, Any]) -> None:
     saved = meta["optimizer"]["params"]
     names = param_names(engine.module)
-    current = {names[p]: (g, tuple(p.shape)) for g, group in enumerate(engine.optimizer.groups) for p in group.params}
+    # Whole shapes: a tensor-parallel shard is compared as the tensor it is part of.
+    current = {names[p]: (g, full_shape_of(p, split_of(p))) for g, group in enumerate(engine.optimizer.groups)
+               for p in group.params}
     missing = [n for n in current if n not in saved]
     extra = [n for n in saved if n not in current]
     if missing or extra:
@@ -313,7 +337,7 @@ def _load_masters(engine: Engine, reader: ShardReader, meta: dict[str, Any]) -> 
         for param, spec, (start, end) in group.owned_slices():
             name = names[param]
             target = group.master[spec.partition_offset : spec.partition_offset + (end - start)]
-            reader.read_range(fmt.master_key(name), saved[name]["shards"], start, end, target)
+            read_elements(reader, fmt.master_key(name), saved[name], split_of(param), start, end, target)
 
 
 @torch.no_grad()
@@ -446,23 +470,28 @@ def _sharded_state(engine: Engine, reader: ShardReader, optimizer_meta: dict[str
         if end <= start:
             continue
         name = names[param]
-        shards = optimizer_meta["params"][name]["shards"]
+        record = optimizer_meta["params"][name]
+        tensor_shard = split_of(param)
+        if block_size is not None:
+            check_block_wise(name, record, tensor_shard, block_size)
         stop = element_stop(end, block_size)
         lo = spec.partition_offset
+        rounded = lambda shards: element_shards(shards, block_size)  # noqa: E731
         for key in group_meta["partition_state"]:
             target = state[key][lo : lo + (stop - start)]
-            reader.read_range(fmt.state_key(key, name), element_shards(shards, block_size), start, stop, target)
+            read_elements(reader, fmt.state_key(key, name), record, tensor_shard, start, stop, target, shards_of=rounded)
         if block_size is None:
             continue
         first, last = block_range(start, stop, block_size)
         offset = lo // block_size
         for key in block_keys:
             target = state[key][offset : offset + (last - first)]
-            reader.read_range(fmt.state_key(key, name), block_shards(shards, block_size), first, last, target)
+            read_blocks(reader, fmt.state_key(key, name), record, tensor_shard, first, last, target, block_size)
         if end == spec.numel and stop > end:
             # The padding that shares the last block; the rank owning the parameter's last
-            # element owned (and saved) the whole block in the saving layout too.
-            padding = reader.tensor(shards[-1]["file"], fmt.master_padding_key(name))
+            # element owned (and saved) the whole block in the saving layout too (a tensor
+            # layout change is accepted only where no local shard has padding).
+            padding = reader.tensor(last_shard_file(record, tensor_shard), fmt.master_padding_key(name))
             master[lo + (end - start) : lo + (stop - start)].copy_(padding)
     return state
 
@@ -476,14 +505,17 @@ def _local_state(
     written by an earlier partita and loads onto its own layout only.
     """
     group = engine.optimizer.groups[g]
-    if group_meta["num_shards"] != group.layout.num_shards or meta["world_size"] != dist.get_world_size():
+    tensor_size = engine.topology.tensor_size
+    if (group_meta["num_shards"] != group.layout.num_shards or meta["world_size"] != dist.get_world_size()
+            or meta.get("tensor_parallel_size", 1) != tensor_size):
         raise NotImplementedError(
             f"optimizer state {group_meta['local_state']} of group {g} is stored per rank and cannot be resharded "
             f"from {group_meta['num_shards']} to {group.layout.num_shards} shards (the optimizer keeps state partita "
             "cannot split per parameter, or the checkpoint predates per-parameter 8-bit state); resume on the saved "
-            f"world size ({meta['world_size']}) and ZeRO stage ({meta['zero_stage']}), or pass load_optimizer_states=False"
+            f"world size ({meta['world_size']}), tensor-parallel size ({meta.get('tensor_parallel_size', 1)}) and ZeRO "
+            f"stage ({meta['zero_stage']}), or pass load_optimizer_states=False"
         )
-    source = shard_file_of(engine, group.shard_rank)
+    source = tensor_rank_files(engine, engine.topology.tensor_rank)[group.shard_rank] if tensor_size > 1 else shard_file_of(engine, group.shard_rank)
     group.master.copy_(reader.tensor(source, fmt.local_state_key(saved, LOCAL_MASTER)))  # padding included
     return {key: reader.tensor(source, fmt.local_state_key(saved, key)).to(group.master.device) for key in group_meta["local_state"]}
 

@@ -21,7 +21,11 @@ from partita.checkpoint.jsoncodec import encode
 from partita.checkpoint.rng import capture_rng, rng_metadata
 from partita.checkpoint.safetensors_io import TensorEntry
 from partita.checkpoint.state_layout import StateLayout, block_range, classify_state, element_stop
+from partita.checkpoint.tensor_layout import tensor_param_record
 from partita.data.sampler import ResumableDistributedSampler
+from partita.distributed.topology import Axis
+from partita.moe.registry import expert_ep_size, expert_piece_ranks, expert_shard_of
+from partita.tensor_parallel.layers import tensor_shard_of
 from partita.zero.partition import ShardSpec
 
 if TYPE_CHECKING:
@@ -113,16 +117,51 @@ def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     return out
 
 
+def split_of(param: torch.Tensor):
+    """How ``param`` is split across ranks that hold different parts of it: its tensor-parallel
+    shard, or, for an expert-parallel MoE parameter, its dim-0 split by global expert index
+    (partita/moe/registry.py). None when every rank of its ZeRO group holds it whole."""
+    tensor, expert = tensor_shard_of(param), expert_shard_of(param)
+    if tensor is not None and expert is not None:
+        raise NotImplementedError("checkpoints of MoE experts that are also tensor-parallel shards are not implemented yet")
+    return tensor if tensor is not None else expert
+
+
+def tensor_sharded_keys(module: torch.nn.Module) -> set[str]:
+    """state_dict keys of tensor-parallel shards and expert-parallel experts: checkpointed as fp32
+    master pieces, with their whole shape (:mod:`partita.checkpoint.tensor_layout`), not in the
+    model file."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if split_of(p) is not None}
+
+
+def tensor_rank_files(engine: Engine, tensor_rank: int) -> list[str]:
+    """Rank files of the ZeRO group of tensor rank ``tensor_rank`` (this rank's pipeline stage),
+    in ZeRO-rank order: where that tensor rank's pieces are written."""
+    grid = engine.topology.mesh.mesh  # (pipe, data, sequence, tensor), tensor innermost
+    pipe = engine.topology.coordinate()[Axis.PIPE]
+    return [fmt.rank_file(int(r)) for r in grid[pipe, :, :, tensor_rank].reshape(-1).tolist()]
+
+
 def shard_file_of(engine: Engine, shard_rank: int) -> str:
     """The file holding shard ``shard_rank``: the rank file of the data rank that owns it."""
     group = engine.topology.zero_group
     return fmt.rank_file(dist.get_global_rank(group, shard_rank) if engine.topology.zero_size > 1 else 0)
 
 
-def writes_shards(engine: Engine) -> bool:
-    """Whether this rank writes optimizer shards: all ranks when sharded, data rank 0 when replicated."""
-    num_shards = engine.optimizer.groups[0].layout.num_shards
-    return num_shards > 1 or engine.topology.zero_rank == 0
+def writes_shards(engine: Engine, group=None) -> bool:
+    """Whether this rank writes a ZeRO group's shards (default: the first group): all ranks when
+    sharded, else the first rank of the group's comm (the ZeRO group, or an expert-data group)."""
+    group = engine.optimizer.groups[0] if group is None else group
+    rank = engine.topology.zero_rank if group.comm is None else group.comm.rank
+    return group.layout.num_shards > 1 or rank == 0
+
+
+def piece_files(engine: Engine, param: torch.Tensor, piece: int) -> list[str]:
+    """Rank files of ``piece``'s ZeRO shards, in shard order: a tensor rank's ZeRO group, or the
+    expert-data group of expert rank ``piece``."""
+    if tensor_shard_of(param) is not None:
+        return tensor_rank_files(engine, piece)
+    return [fmt.rank_file(r) for r in expert_piece_ranks(engine.topology, expert_ep_size(param), piece)]
 
 
 def _span(spec: ShardSpec, start: int, stop: int) -> slice:
@@ -161,17 +200,20 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
     optimizer = engine.optimizer
     inner = optimizer.inner
     names = param_names(engine.module)
+    tensor_sharded = _trainable_tensor_shards(engine, names)  # every rank: a refusal must not be rank 0's alone
     snapshot = Snapshot()
 
     # ---- this rank's file: generator states and its shards
     rng_json, rng_tensors = capture_rng()
     entries = [TensorEntry.of(k, _own(v, copy)) for k, v in rng_tensors.items()]
-    if writes_shards(engine):
-        for g, group in enumerate(optimizer.groups):
+    # Tensor parallelism: parameters the tensor ranks replicate are written once, by tensor rank 0.
+    replicas_only = engine.topology.tensor_size > 1 and engine.topology.tensor_rank > 0
+    for g, group in enumerate(optimizer.groups):
+        if writes_shards(engine, group):
             state = inner.state.get(group.master, {})
             kinds = classify_state(state, group.master)
             for param, spec, (start, end) in group.owned_slices():
-                if end <= start:
+                if end <= start or (replicas_only and tensor_shard_of(param) is None):
                     continue
                 name = names[param]
                 entries.append(TensorEntry.of(fmt.master_key(name), _own(group.master[_span(spec, start, end)], copy)))
@@ -191,8 +233,9 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
     # Non-tensor entries come from modules' get_extra_state(); they go to meta.json as JSON.
     extra = {k: v for k, v in full_state.items() if not torch.is_tensor(v)}
     unique, aliases = dedupe_state_dict(engine.module, {k: v for k, v in full_state.items() if torch.is_tensor(v)})
-    # ZeRO-3: parameters held as shards are saved only as fp32 master shards (below).
-    sharded = sharded_param_keys(engine)
+    # ZeRO-3: parameters held as shards are saved only as fp32 master shards (below); so are
+    # tensor-parallel shards, whose whole tensors no rank holds.
+    sharded = sharded_param_keys(engine) | tensor_sharded
     model_state = {k: v for k, v in unique.items() if k not in sharded}
     snapshot.files.append(FilePlan(fmt.MODEL_FILE, [TensorEntry.of(k, _own(v, copy)) for k, v in model_state.items()]))
     meta = {
@@ -203,6 +246,7 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
         "torch_version": torch.__version__,
         "world_size": dist.get_world_size(),
         "data_parallel_size": engine.topology.zero_size,
+        "tensor_parallel_size": engine.topology.tensor_size,
         "zero_stage": engine.zero.policy.stage,
         "precision": str(engine.compute_dtype).replace("torch.", ""),
         "counters": {
@@ -258,6 +302,15 @@ def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: 
             }
         )
         for param, spec in zip(group.params, group.layout.specs):
+            tensor_shard = split_of(param)
+            if tensor_shard is not None:
+                params[names[param]] = {
+                    "group": g,
+                    "dtype": str(param.dtype).replace("torch.", ""),
+                    **tensor_param_record(tensor_shard, spec.numel, lambda t: _ranges(spec, group.layout.num_shards,
+                                                                                      piece_files(engine, param, t))),
+                }
+                continue
             shards = []
             for shard_rank in range(group.layout.num_shards):
                 start, end = spec.owned_range(shard_rank)
@@ -276,6 +329,29 @@ def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: 
         "groups": groups,
         "params": params,
     }
+
+
+def _ranges(spec: ShardSpec, num_shards: int, files: list[str]) -> list[dict[str, Any]]:
+    """The ``{file, start, end}`` ZeRO shards of one local tensor, ZeRO rank ``z`` in ``files[z]``."""
+    out = []
+    for shard_rank in range(num_shards):
+        start, end = spec.owned_range(shard_rank)
+        if end > start:
+            out.append({"file": files[shard_rank], "start": start, "end": end})
+    return out
+
+
+def _trainable_tensor_shards(engine: Engine, names: dict[torch.nn.Parameter, str]) -> set[str]:
+    keys = tensor_sharded_keys(engine.module)
+    trained = {names[p] for group in engine.optimizer.groups for p in group.params}
+    frozen = sorted(k for k in keys if k not in trained and k in names.values())
+    if frozen:
+        raise NotImplementedError(
+            f"save_checkpoint: the tensor-parallel shards {frozen[:4]} are frozen (requires_grad=False), and partita "
+            "checkpoints tensor-parallel weights through the optimizer's fp32 master pieces; make them trainable "
+            "(lr 0), or save the whole weights with engine.save_16bit_model"
+        )
+    return keys
 
 
 def _sampler_state(engine: Engine) -> dict[str, Any] | None:

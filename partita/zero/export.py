@@ -5,6 +5,10 @@ format its name says (``.safetensors``, or torch's for ``.bin``/``.pt``/``.pth``
 writes, every rank takes part in the gathers). ``fp32_state_dict`` rebuilds
 full fp32 weights from the optimizer's master shards. Both gather parameter by parameter, so
 no rank holds more than one extra whole parameter on the device at a time.
+
+Under tensor parallelism both return *whole* tensors under the model's own keys: a tensor
+shard is first rebuilt from the ZeRO shards of its tensor rank, then gathered across the
+tensor group (``gather_whole``); every rank takes part in both gathers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.tensor_parallel.layers import gather_whole, tensor_shard_of
 from partita.zero.api import ZeroState
 from partita.zero.gathered import iter_fp32_master, iter_full_parameters
 
@@ -31,6 +36,9 @@ def fp32_state_dict(module: nn.Module, zero: ZeroState, *, rank0_only: bool = Tr
     keep = _is_writer() or not rank0_only
     master: dict[nn.Parameter, torch.Tensor] = {}
     for param, full in iter_fp32_master(zero):
+        shard = tensor_shard_of(param)
+        if shard is not None:
+            full = gather_whole(full.contiguous(), shard).contiguous()
         if keep:
             master[param] = full.detach().to("cpu", copy=True)
     if not keep:
@@ -64,6 +72,9 @@ def consolidated_16bit_state_dict(
     saved: dict[str, torch.Tensor] = {}
     # One parameter gathered at a time (buffers and stage 0-2 parameters need no gather).
     for name, full in iter_full_parameters(zero, unique):
+        shard = tensor_shard_of(entries[name])
+        if shard is not None:
+            full = gather_whole(full.contiguous(), shard).contiguous()  # while the ZeRO-3 gather still holds it
         if writer:
             saved[name] = full.to("cpu", copy=True).contiguous()
     if not writer:

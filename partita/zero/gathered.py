@@ -12,6 +12,27 @@ low-precision shard), and the parameters are freed again.
 
 Parameters find their ZeRO owner through a registry keyed by the parameter object (weak
 keys: nothing is attached to ``nn.Parameter`` and nothing outlives the model).
+
+[Note: GatheredParameters under tensor parallelism]
+DeepSpeed's promise is "the whole parameter inside the block". A tensor-parallel parameter
+cannot *become* whole in the live module: the layer's forward computes on its shard, and the
+other tensor ranks hold the rest. So inside the block ``param`` stays this rank's (ZeRO-whole)
+tensor shard, and the whole tensor is available through the context object::
+
+    with GatheredParameters(model.head.weight, modifier_rank=0) as gathered:
+        whole = gathered.whole(model.head.weight)   # whole shape, every rank, a copy
+        if dist.get_rank() == 0:
+            whole.normal_()                          # edit the whole tensor, or param.data (the shard)
+
+``whole(p)`` of a parameter without a tensor split returns ``p.data`` itself, so the same code
+runs with and without tensor parallelism. On exit with a ``modifier_rank``: where a rank
+changed its whole copy, that copy wins (the lowest such tensor rank's, broadcast over its
+tensor group) and each tensor rank takes its slice; otherwise each rank's edits to its shard
+are kept; a parameter the tensor ranks replicate (a norm) takes tensor rank 0's value; then
+the ``modifier_rank``'s values are broadcast over the ZeRO group as without tensor
+parallelism. So the DeepSpeed idiom ``if dist.get_rank() == 0: <edit>`` reaches every rank. Without a ``modifier_rank`` changes are discarded as usual. The whole copies
+cost two whole tensors per listed tensor-parallel parameter (the copy and the value on entry,
+to tell an edit), for the duration of the block.
 """
 
 from __future__ import annotations
@@ -23,6 +44,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.distributed import collectives
+from partita.tensor_parallel.layers import gather_whole, is_tensor_replicated, tensor_shard_of
+from partita.tensor_parallel.shard_ranges import local_slice
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
 _OWNERS = WeakIdKeyDictionary()
@@ -52,25 +75,49 @@ class GatheredParameters:
     def __init__(self, params, modifier_rank: int | None = None, enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
             params = [params]
+        params = list(params)
         self._params = [p for p in params if owner_of(p) is not None] if enabled else []
+        # Tensor-parallel parameters (ZeRO-managed or not): their whole copies, see the note above.
+        self._tensor_params = [p for p in params if tensor_shard_of(p) is not None] if enabled else []
+        self._whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (copy, value on entry)
         self._modifier_rank = modifier_rank
 
     def __enter__(self) -> GatheredParameters:
         for zero, params in self._by_owner():
             if zero.gatherer is not None:
                 zero.gatherer.gather(params)
+        with torch.no_grad():
+            for param in self._tensor_params:  # the same order on every rank: one gather each
+                whole = gather_whole(param.data.contiguous(), tensor_shard_of(param)).contiguous()
+                self._whole[id(param)] = (whole, whole.clone())
         return self
+
+    def whole(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole value of ``param`` inside the block: for a tensor-parallel shard a whole copy
+        (edits to it are written back on exit with a ``modifier_rank``), else ``param.data``."""
+        if tensor_shard_of(param) is None:
+            return param.data
+        if id(param) not in self._whole:
+            raise ValueError(
+                "GatheredParameters.whole: this tensor-parallel parameter was not given to the context (or the "
+                "context is disabled / not entered); list it in GatheredParameters([...])"
+            )
+        return self._whole[id(param)][0]
 
     def __exit__(self, *exc) -> None:
         if exc[0] is not None:
             self._release()
             return
         if self._modifier_rank is not None:
+            for param in self._tensor_params:
+                _adopt_whole(param, *self._whole[id(param)])
             for zero, params in self._by_owner():
+                _adopt_replicated(zero, params)
                 _adopt_modifications(zero, params, self._modifier_rank)
         self._release()
 
     def _release(self) -> None:
+        self._whole.clear()
         for zero, params in self._by_owner():
             if zero.gatherer is not None:
                 zero.gatherer.release(params)
@@ -81,6 +128,40 @@ class GatheredParameters:
             zero = owner_of(p)
             groups.setdefault(id(zero), (zero, []))[1].append(p)
         return iter(list(groups.values()))
+
+
+@torch.no_grad()
+def _adopt_whole(param: torch.Tensor, whole: torch.Tensor, entered: torch.Tensor) -> None:
+    """Where a tensor rank edited its whole copy, the lowest such rank's copy becomes every tensor
+    rank's shard (a collective over the tensor group; all ranks call it for the same parameters)."""
+    import torch.distributed as dist
+
+    shard = tensor_shard_of(param)
+    edited = torch.tensor([0.0 if torch.equal(whole, entered) else 1.0], device=whole.device)
+    flags = torch.empty(shard.size, dtype=edited.dtype, device=whole.device)
+    collectives.all_gather_into_tensor(flags, edited, group=shard.group, purpose="GatheredParameters tensor edits")
+    editors = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+    if not editors:
+        return
+    src = dist.get_global_rank(shard.group, editors[0])
+    collectives.broadcast(whole, src=src, group=shard.group, purpose="GatheredParameters tensor broadcast")
+    param.data.copy_(local_slice(whole, dim=shard.dim, size=shard.size, rank=shard.rank, chunks=shard.chunks))
+
+
+@torch.no_grad()
+def _adopt_replicated(zero, params: list[nn.Parameter]) -> None:
+    """Tensor-replicated parameters take tensor rank 0's values, so an edit made on one rank (the
+    usual ``if dist.get_rank() == 0:``) reaches every tensor rank before the ZeRO broadcast."""
+    import torch.distributed as dist
+
+    # The tensor group the optimizer's norm already uses; None without tensor parallelism.
+    group = getattr(zero.optimizer, "_model_parallel_group", None)
+    if group is None:
+        return
+    src = dist.get_global_rank(group, 0)
+    for param in params:
+        if is_tensor_replicated(param):
+            collectives.broadcast(param.data, src=src, group=group, purpose="GatheredParameters tensor broadcast")
 
 
 @torch.no_grad()
