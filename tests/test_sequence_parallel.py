@@ -152,7 +152,11 @@ def _errors(sp: int) -> dict[str, tuple[str, str] | None]:
     def other_model():
         partita.initialize(model=torch.nn.Linear(2, 2), config=base)
 
-    return {"heads": _error(heads), "length": _error(length), "ring_length": _error(ring_length), "other": _error(other_model)}
+    def sparse():
+        partita.initialize(model=_build_gpt(), config={**base, "sparse_attention": {"mode": "dense"}})
+
+    return {"heads": _error(heads), "length": _error(length), "ring_length": _error(ring_length),
+            "other": _error(other_model), "sparse": _error(sparse)}
 
 
 def _run(world: int, sp: int) -> dict:
@@ -223,3 +227,5 @@ def test_bad_inputs(run) -> None:
     assert kind == "ValueError" and f"not divisible by {2 * sp}" in message and "load-balanced chunks" in message
     kind, message = errors["other"]
     assert kind == "NotImplementedError" and "Linear has no partita.sequence.layer.DistributedAttention" in message
+    kind, message = errors["sparse"]
+    assert kind == "NotImplementedError" and f"sparse_attention with sequence_parallel_size={sp}" in message

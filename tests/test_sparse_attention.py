@@ -262,3 +262,28 @@ def test_reference_gpt_runs_the_config_pattern() -> None:
                                                              attention="unidirectional"))
     with pytest.raises(ValueError, match="Linear builds its own layers"):
         apply_sparse_attention(torch.nn.Linear(2, 2), section)
+
+
+def _initialize_with_section() -> tuple[float, float]:
+    import partita
+    from partita.ops.sparse_attention import SparseAttentionConfig, apply_sparse_attention
+
+    section = {"mode": "bslongformer", "block": 16, "num_sliding_window_blocks": 1, "attention": "unidirectional"}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "sparse_attention": section, "steps_per_print": 1000}  # fmt: skip
+    engine, *_ = partita.initialize(model=_gpt(), config=config)
+    idx = torch.randint(0, 32, (2, 64), generator=torch.Generator().manual_seed(1))
+    _, loss = engine(idx, idx)
+    manual = _gpt()
+    apply_sparse_attention(manual, SparseAttentionConfig(**section))
+    return float(loss.detach()), float(manual(idx, idx)[1].detach())
+
+
+def test_initialize_reads_the_section() -> None:
+    from tests.harness import run_distributed
+
+    got, expected = run_distributed(_initialize_with_section, 1)[0]
+    idx = torch.randint(0, 32, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = float(_gpt()(idx, idx)[1])
+    assert abs(got - expected) < 1e-6 and abs(got - plain) > 1e-4
