@@ -288,7 +288,6 @@ class Engine:
         from partita.checkpoint.save import save_checkpoint
 
         self.finish_pending_step()
-        self._samples.verify(last_step=self.global_steps)  # the saved global_samples is checked on every rank
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(

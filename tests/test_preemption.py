@@ -26,6 +26,17 @@ STEPS, EVERY, SIGNAL_STEP, GLOBAL_BATCH = 6, 2, 2, 8
 # ---------------------------------------------------------------------------- the job
 
 
+def _await_forwarded_signal(ready: Path, rank: int) -> None:
+    """Tell the test to signal ``partita run`` (the launcher), then wait until torchrun forwarded it here."""
+    from partita.checkpoint import preemption
+
+    if rank == 0:
+        ready.write_text("ready\n")
+    deadline = time.monotonic() + 60
+    while preemption._STATE.signum is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _job() -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -37,7 +48,7 @@ def _job() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=["signal", "during-save", "deadline"], required=True)
+    parser.add_argument("--mode", choices=["signal", "during-save", "deadline", "launcher"], required=True)
     args = parser.parse_args()
     checkpoint = {"save_dir": args.save_dir, "resume": "latest"}
     if args.mode == "deadline":
@@ -80,6 +91,8 @@ def _job() -> None:
             engine.backward(engine(xs[step][lo : lo + micro], ys[step][lo : lo + micro]))
             if signal_me and args.mode in ("signal", "deadline") and step == SIGNAL_STEP and m == 0:
                 os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step must still finish
+            if first_attempt and args.mode == "launcher" and step == SIGNAL_STEP and m == 0:
+                _await_forwarded_signal(Path(args.save_dir).parent / "ready", rank)
             engine.step()
         if (step + 1) % EVERY == 0:
             engine.save_checkpoint()
@@ -178,6 +191,28 @@ def test_save_that_misses_the_deadline_exits_201_and_keeps_the_previous_checkpoi
     # The abandoned save stays a .partial directory; latest still names the last complete checkpoint.
     assert _tags(save_dir) == ["global_step2", "global_step3.partial", "latest"]
     assert (save_dir / "latest").read_text().strip() == "global_step2"
+
+
+def test_sigusr1_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
+    """SLURM's --signal=USR1@120 signals `partita run`, not the ranks: torchrun must forward it."""
+    save_dir, ready = tmp_path / "ckpt", tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "partita.launcher.cli", "run", "--nproc", "2", str(Path(__file__).resolve()),
+           "--save-dir", str(save_dir), "--out", str(tmp_path / "out.safetensors"), "--mode", "launcher"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not ready.exists():
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[0][-4000:]
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGUSR1)
+        log, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGUSR1, log[-4000:]  # the launcher's status: 138
+    assert log.count("preemption (SIGUSR1): saving step 3") == 2, log[-4000:]  # both ranks got it
+    assert (save_dir / "latest").read_text().strip() == "global_step3"
 
 
 def test_config_keys() -> None:
