@@ -24,6 +24,7 @@ from partita.checkpoint.state_layout import StateLayout, block_range, classify_s
 from partita.checkpoint.tensor_layout import tensor_param_record
 from partita.data.sampler import ResumableDistributedSampler
 from partita.distributed.topology import Axis
+from partita.moe.registry import expert_ep_size, expert_piece_ranks, expert_shard_of
 from partita.tensor_parallel.layers import tensor_shard_of
 from partita.zero.partition import ShardSpec
 
@@ -118,8 +119,12 @@ def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
 
 def split_of(param: torch.Tensor):
     """How ``param`` is split across ranks that hold different parts of it: its tensor-parallel
-    shard. None when every rank of its ZeRO group holds it whole."""
-    return tensor_shard_of(param)
+    shard, or, for an expert-parallel MoE parameter, its dim-0 split by global expert index
+    (partita/moe/registry.py). None when every rank of its ZeRO group holds it whole."""
+    tensor, expert = tensor_shard_of(param), expert_shard_of(param)
+    if tensor is not None and expert is not None:
+        raise NotImplementedError("checkpoints of MoE experts that are also tensor-parallel shards are not implemented yet")
+    return tensor if tensor is not None else expert
 
 
 def tensor_sharded_keys(module: torch.nn.Module) -> set[str]:
@@ -152,8 +157,11 @@ def writes_shards(engine: Engine, group=None) -> bool:
 
 
 def piece_files(engine: Engine, param: torch.Tensor, piece: int) -> list[str]:
-    """Rank files of ``piece``'s ZeRO shards, in shard order: a tensor rank's ZeRO group."""
-    return tensor_rank_files(engine, piece)
+    """Rank files of ``piece``'s ZeRO shards, in shard order: a tensor rank's ZeRO group, or the
+    expert-data group of expert rank ``piece``."""
+    if tensor_shard_of(param) is not None:
+        return tensor_rank_files(engine, piece)
+    return [fmt.rank_file(r) for r in expert_piece_ranks(engine.topology, expert_ep_size(param), piece)]
 
 
 def _span(spec: ShardSpec, start: int, stop: int) -> slice:

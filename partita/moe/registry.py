@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from partita.distributed.topology import Topology
     from partita.moe.layer import MoE
 
-__all__ = ["ExpertLayout", "bind_experts", "expert_layout", "is_moe_param", "moe_layers", "register_expert_params"]
+__all__ = ["ExpertLayout", "bind_experts", "expert_layout", "expert_piece_ranks", "expert_shard_of", "is_moe_param",
+           "moe_layers", "register_expert_params"]
 
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -105,3 +106,31 @@ def bind_experts(model: nn.Module, topology: Topology) -> dict[nn.Parameter, Sha
         for param in layer.expert_parameters():
             comms[param] = comm
     return comms
+
+
+def expert_shard_of(param: torch.Tensor):
+    """An expert-parallel parameter as a dim-0 split of the global ``(num_experts, ...)`` tensor
+    (a :class:`~partita.tensor_parallel.layers.TensorShard` of ``size = ep_size``), so checkpoints
+    record and reshard it exactly like a row-split tensor-parallel weight
+    (partita/checkpoint/tensor_layout.py, case 2: every piece is a contiguous run of rows). None
+    for a dense parameter and for ``ep_size == 1`` (the local tensor is then the global one)."""
+    layer = owner_layer(param)
+    if layer is None or layer.ep_size == 1:
+        return None
+    from partita.tensor_parallel.layers import TensorShard
+
+    return TensorShard(dim=0, rank=layer.expert_rank, size=layer.ep_size,
+                       full_shape=(layer.num_experts, *param.shape[1:]), chunks=1)
+
+
+def expert_ep_size(param: torch.Tensor) -> int:
+    """The expert-parallel size of an expert parameter (1 for a dense one)."""
+    layer = owner_layer(param)
+    return 1 if layer is None else layer.ep_size
+
+
+def expert_piece_ranks(topology: Topology, ep_size: int, expert_rank: int) -> list[int]:
+    """Global ranks holding expert rank ``expert_rank``'s experts, in expert-data-rank order
+    (the ZeRO shard order of those experts): ZeRO positions ``expert_rank + ep_size * j``."""
+    zero_ranks = topology.zero_group_ranks()
+    return zero_ranks[expert_rank::ep_size]
