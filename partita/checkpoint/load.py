@@ -459,6 +459,9 @@ def _sharded_state(engine: Engine, reader: ShardReader, optimizer_meta: dict[str
     dtypes = group_meta.get("state_dtypes", {})
     if block_size is not None:
         _check_block_size(group, g, block_size)
+        # Every parameter, owned here or not, so that every rank refuses together.
+        for param in group.params:
+            check_block_wise(names[param], optimizer_meta["params"][names[param]], split_of(param), block_size)
     state: dict[str, Any] = {}
     for key in group_meta["partition_state"]:
         dtype = getattr(torch, dtypes.get(key, "float32"))
@@ -472,8 +475,6 @@ def _sharded_state(engine: Engine, reader: ShardReader, optimizer_meta: dict[str
         name = names[param]
         record = optimizer_meta["params"][name]
         tensor_shard = split_of(param)
-        if block_size is not None:
-            check_block_wise(name, record, tensor_shard, block_size)
         stop = element_stop(end, block_size)
         lo = spec.partition_offset
         rounded = lambda shards: element_shards(shards, block_size)  # noqa: E731
