@@ -12,7 +12,7 @@ import pytest
 
 from partita.autotune import tuner as tuner_module
 from partita.autotune.config import AutotuningConfig
-from partita.autotune.runner import TrialOutcome, _last_error
+from partita.autotune.runner import TrialOutcome, _last_error, run_trial
 from partita.autotune.space import TrialPoint, micro_batch_candidates, points
 from partita.autotune.trial_env import OVERRIDE_ENV, REPORT_ENV, STEPS_ENV, TrialReporter, apply_config_override
 from partita.autotune.tuner import TuneOptions, best_record, tune
@@ -30,16 +30,18 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "par
 def test_tune_tiny_gpt_two_processes_prunes_records_failures_and_keeps_the_fastest(tmp_path: Path) -> None:
     config = {**BASE, "autotuning": {
         "enabled": True, "start_profile_step": 2, "end_profile_step": 3, "results_dir": str(tmp_path / "results"),
-        "exps_dir": str(tmp_path / "exps"), "arg_mappings": {"train_micro_batch_size_per_gpu": "--batch-flag"}}}
+        "exps_dir": str(tmp_path / "exps"), "arg_mappings": {"train_micro_batch_size_per_gpu": "--batch-flag"},
+        "tuner_num_trials": 3}}
     config_path = tmp_path / "ds.json"
     config_path.write_text(json.dumps(config))
     # Stage 3's estimate (560,644 B per rank for this model on 2 ranks) is above the 530,000 B
-    # given, stages 1 and 2 (504,580 B) are below: stage 3 is pruned without a launch.
+    # given, stages 1 and 2 (504,580 B) are below: stage 3 is pruned without a launch. Three
+    # trials run (tuner_num_trials), the third of them after a deliberate crash; the fourth is skipped.
     result = subprocess.run(
         [*partita_command(), "tune", str(SCRIPT), "--config", str(config_path), "--nproc", "2", "--stages", "1,2,3",
          "--micro-batches", "2,4", "--checkpointing", "none", "--offload", "none",
          "--model-params", str(TINY_GPT_PARAMS), "--gpu-memory", "530000", "--headroom", "0",
-         "--", str(config_path), "--crash-at", "1:4", "--oom-at", "2:4"],
+         "--", str(config_path), "--crash-at", "1:4"],
         env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(tmp_path / "results" / "trials.csv") as f:
@@ -47,11 +49,11 @@ def test_tune_tiny_gpt_two_processes_prunes_records_failures_and_keeps_the_faste
     assert {name: row["status"] for name, row in rows.items()} == {
         "z3_mb2_ckpt-none_off-none": "pruned", "z3_mb4_ckpt-none_off-none": "pruned",
         "z1_mb2_ckpt-none_off-none": "ok", "z1_mb4_ckpt-none_off-none": "failed",
-        "z2_mb2_ckpt-none_off-none": "ok", "z2_mb4_ckpt-none_off-none": "oom"}
+        "z2_mb2_ckpt-none_off-none": "ok", "z2_mb4_ckpt-none_off-none": "skipped"}
     assert rows["z3_mb2_ckpt-none_off-none"]["note"] == "estimated 0.000522 GiB per rank > 0.000494 GiB available"
     assert rows["z1_mb4_ckpt-none_off-none"]["note"] == (
         "exit 1: RuntimeError: deliberate crash at stage:micro-batch 1:4")
-    assert "OutOfMemoryError: deliberate out-of-memory at stage:micro-batch 2:4" in rows["z2_mb4_ckpt-none_off-none"]["note"]
+    assert rows["z2_mb4_ckpt-none_off-none"]["note"] == "tuner_num_trials 3 reached"
     finished = [row for row in rows.values() if row["status"] == "ok"]
     for row in finished:
         assert float(row["tokens_per_sec"]) > 0 and float(row["peak_memory_gib"]) > 0
@@ -66,7 +68,8 @@ def test_tune_tiny_gpt_two_processes_prunes_records_failures_and_keeps_the_faste
                         "stage": stage, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}}
     assert f"best (throughput): {fastest['trial']} -> {tmp_path / 'results' / 'best_config.json'}" in result.stdout
     for name in rows:
-        assert (name in result.stdout) and ((tmp_path / "exps" / name).exists() == (not name.startswith("z3")))
+        launched = rows[name]["status"] not in ("pruned", "skipped")
+        assert (name in result.stdout) and ((tmp_path / "exps" / name).exists() == launched)
     trial = json.loads((tmp_path / "exps" / "z1_mb2_ckpt-none_off-none" / "config.json").read_text())
     assert trial["steps_per_print"] == 3 and trial["throughput"] == {"warmup_steps": 1}
 
@@ -232,6 +235,17 @@ def test_config_override_and_reporter_hooks(monkeypatch: pytest.MonkeyPatch, tmp
         TrialReporter.from_env()
     monkeypatch.delenv(STEPS_ENV)
     assert TrialReporter.from_env() is None
+
+
+def test_a_trial_that_runs_out_of_memory_is_recorded_as_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "oom.py"  # no torch import in the workers: a cheap launch
+    script.write_text("import sys\nprint('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB',"
+                      " file=sys.stderr)\nsys.exit(1)\n")
+    for name, value in child_env().items():
+        monkeypatch.setenv(name, value)
+    outcome = run_trial(folder=tmp_path / "t", config=BASE, script=str(script), script_args=[], nproc=2, steps=3)
+    assert (outcome.status, outcome.error) == ("oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert json.loads((tmp_path / "t" / "config.json").read_text()) == BASE and outcome.result == {}
 
 
 def test_error_lines_are_found_in_torchrun_logs() -> None:

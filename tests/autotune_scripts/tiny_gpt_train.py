@@ -1,11 +1,10 @@
 """A plain partita training loop on a very small GPT, for ``partita tune`` tests.
 
-    python tiny_gpt_train.py CONFIG [--crash-at STAGE:MB] [--oom-at STAGE:MB] [--batch-flag N]
+    python tiny_gpt_train.py CONFIG [--crash-at STAGE:MB] [--batch-flag N]
 
 It trains for many steps; a ``partita tune`` trial stops it after its own step count. The
 micro-batch comes from the engine (as a tuned script's must). ``--crash-at`` makes the trial
-with that ZeRO stage and micro-batch raise, and ``--oom-at`` makes it raise torch's
-out-of-memory error in its first forward, so the tests can check both are recorded and
+with that ZeRO stage and micro-batch raise, so the test can check a crash is recorded and
 skipped. ``--batch-flag`` (what ``autotuning.arg_mappings`` passes) must equal the engine's
 micro-batch.
 """
@@ -22,7 +21,6 @@ from partita.models import GPT, GPTConfig
 parser = argparse.ArgumentParser()
 parser.add_argument("config")
 parser.add_argument("--crash-at", default=None)
-parser.add_argument("--oom-at", default=None)
 parser.add_argument("--batch-flag", type=int, default=None)
 args = parser.parse_args()
 
@@ -38,8 +36,6 @@ if args.batch_flag is not None and args.batch_flag != mb:
 generator = torch.Generator().manual_seed(engine.topology.rank)
 for step in range(1000):
     for _ in range(engine.gradient_accumulation_steps()):
-        if here == args.oom_at:
-            raise torch.OutOfMemoryError(f"deliberate out-of-memory at stage:micro-batch {here}")
         tokens = torch.randint(0, 64, (mb, 17), generator=generator)
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
