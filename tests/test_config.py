@@ -398,7 +398,7 @@ def test_unsupported_table_holds_the_documented_sections() -> None:
     top = set(UNSUPPORTED[()])
     for key in ("comet", "pipeline", "seq_parallel_communication_data_type",
                 "prescale_gradients", "amp",
-                "sparse_attention", "data_efficiency", "compression_training", "moe",
+                "data_efficiency", "compression_training", "moe",
                 "zero_allow_untested_optimizer", "memory_breakdown", "dump_state", "prescale_gradients"):  # fmt: skip
         assert key in top, key
     # Nothing partita implements is listed as unsupported.
