@@ -85,7 +85,16 @@ def _group_of(module: nn.Module) -> Any:
 
 
 def _wire_gpt(model: nn.Module, topology: Topology, config: SequenceParallelConfig) -> None:
-    from partita.models.gpt import CausalSelfAttention
+    from partita.models.gpt import CausalSelfAttention, LanguageModelLoss
+
+    if type(model.lm_loss) is not LanguageModelLoss:
+        # Tensor parallelism's vocabulary-parallel loss (or a user's): the token-weighted mean over the
+        # sequence group would have to be built into it.
+        raise NotImplementedError(
+            f"sequence_parallel_size={topology.sequence_size} with the GPT's loss replaced by "
+            f"{type(model.lm_loss).__name__} (tensor_parallel.vocab_parallel_lm_head, or your own) is not "
+            "implemented; set tensor_parallel.vocab_parallel_lm_head to false or sequence_parallel_size to 1"
+        )
 
     size, rank, group = topology.sequence_size, topology.sequence_rank, topology.sequence_group
     n_head = model.config.n_head
