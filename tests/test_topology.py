@@ -103,10 +103,10 @@ def test_expert_size_must_divide_data_parallel_size() -> None:
 
 def _initialize_with(config: dict) -> str:
     import partita
-    from tests.tiny_models import build_model
+    from partita.models.gpt import GPT, GPTConfig
 
     try:
-        engine, *_ = partita.initialize(model=build_model(), config=config)
+        engine, *_ = partita.initialize(model=GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)), config=config)
     except ValueError as error:
         return f"{type(error).__name__}: {error}"
     return engine.topology.describe()
@@ -114,8 +114,8 @@ def _initialize_with(config: dict) -> str:
 
 def test_config_sizes_make_the_mesh_and_a_bad_layout_names_every_factor() -> None:
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    ok = run_distributed(_initialize_with, 2, {**base, "sequence_parallel_size": 2})
-    assert ok == ["pipe=1 data=1 sequence=2 tensor=1"] * 2
+    ok = run_distributed(_initialize_with, 2, {**base, "tensor_parallel": {"autotp_size": 2}})
+    assert ok == ["pipe=1 data=1 sequence=1 tensor=2"] * 2
     bad = run_distributed(_initialize_with, 2, {**base, "tensor_parallel": {"autotp_size": 4}})
     for message in bad:
         assert message.startswith("ConfigError: the parallel layout does not fit the job: world size 2 is not "
