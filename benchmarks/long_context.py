@@ -5,6 +5,7 @@
     python benchmarks/long_context.py search --model gpt-7b --systems torch,partita --start 16384 --out r7.json
     python benchmarks/long_context.py throughput --model gpt-1.3b --seqs 8192,32768,131072 --out t.json
     python benchmarks/long_context.py sparse --seqs 16384,65536 --out s.json
+    python benchmarks/long_context.py kernels --seq 4096 --out k.json   # ring block kernels vs SDPA
     # CPU, tiny sizes (what CI-sized machines can run):
     python benchmarks/long_context.py search --device cpu --model tiny --start 128 --max-seq 1024
     python benchmarks/long_context.py sparse --device cpu --seqs 256,512 --heads 2 --head-dim 16
@@ -24,6 +25,7 @@ long-context options). The reference GPT's learned position table grows with the
 compiled on CUDA) against dense causal SDPA at each length.
 ``sp-steps``: ``--world`` gloo processes train the tiny GPT with ``sequence_parallel_size`` =
 world, Ulysses and ring; median step time each.
+``kernels``: ring attention's fused block kernels checked against SDPA on this device.
 """
 
 from __future__ import annotations
@@ -237,6 +239,56 @@ def sparse(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Ring attention's block-kernel contract on this device, without a ring: keys and values cut in
+    two blocks, each block's (out, lse) merged, then each block's backward given the merged out and
+    lse; outputs and gradients against SDPA on the whole sequence. The GPU check for the fused CUDA
+    kernels, which CPU CI cannot reach."""
+    import torch.nn.functional as F
+
+    from partita.sequence.block_kernels import pick_kernel
+    from partita.sequence.ring import _merge
+
+    device = args.device
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
+        for prefer_math in (False, True):
+            gen = torch.Generator(device=device).manual_seed(0)
+            shape = (2, args.heads, args.seq, args.head_dim)
+            q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4))
+            kernel = pick_kernel(q, prefer_math=prefer_math)
+            scale = args.head_dim**-0.5
+            half = args.seq // 2
+            # Queries of the second half: causal against their own block, full against the first.
+            q2 = q[:, :, half:].contiguous()
+            blocks = [(k[:, :, :half].contiguous(), v[:, :, :half].contiguous(), False),
+                      (k[:, :, half:].contiguous(), v[:, :, half:].contiguous(), True)]  # fmt: skip
+            out = torch.zeros(q2.shape, device=device, dtype=torch.float32)
+            lse = torch.full(q2.shape[:-1], float("-inf"), device=device)
+            for kb, vb, causal in blocks:
+                _merge(out, lse, *kernel.forward(q2, kb, vb, causal=causal, scale=scale))
+            out = out.to(dtype)
+            dq = torch.zeros(q2.shape, device=device, dtype=torch.float32)
+            dkv = []
+            for kb, vb, causal in blocks:
+                g = kernel.backward(dout[:, :, half:].contiguous(), q2, kb, vb, out, lse, causal=causal, scale=scale)
+                dq += g[0]
+                dkv.append((g[1], g[2]))
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*inputs, is_causal=True)
+            ref.backward(torch.cat([torch.zeros_like(dout[:, :, :half]), dout[:, :, half:]], dim=2))
+            ref_dk, ref_dv = inputs[1].grad, inputs[2].grad
+            err = {
+                "out": float((out.float() - ref.detach()[:, :, half:].float()).abs().max()),
+                "dq": float((dq - inputs[0].grad[:, :, half:].float()).abs().max()),
+                "dk": float((torch.cat([dkv[0][0], dkv[1][0]], 2).float() - ref_dk.float()).abs().max()),
+                "dv": float((torch.cat([dkv[0][1], dkv[1][1]], 2).float() - ref_dv.float()).abs().max()),
+            }
+            rows.append({"dtype": str(dtype), "kernel": kernel.name, "max_abs_error": err})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def _sp_worker(rank: int, world: int, port: int, seq: int, steps: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
@@ -290,7 +342,7 @@ def sp_steps(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("search", "throughput", "sparse", "sp-steps", "trial"))
+    parser.add_argument("what", choices=("search", "throughput", "sparse", "sp-steps", "kernels", "trial"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="gpt-1.3b", help="tiny, gpt-1.3b or gpt-7b")
     parser.add_argument("--systems", default="torch,fsdp2,deepspeed,partita")
@@ -312,7 +364,7 @@ def main(argv: list[str]) -> None:
     if args.what == "trial":
         print(json.dumps(trial(args)), flush=True)
         return
-    run = {"search": search, "throughput": throughput, "sparse": sparse, "sp-steps": sp_steps}[args.what]
+    run = {"search": search, "throughput": throughput, "sparse": sparse, "sp-steps": sp_steps, "kernels": kernels}[args.what]
     result = {"what": args.what, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "model": args.model, "result": run(args)}  # fmt: skip
     if args.out:
