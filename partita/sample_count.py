@@ -17,8 +17,9 @@ step. Equal sizes smaller than configured (the last batch of an epoch under a
 DistributedSampler, which pads every rank to the same count) are accepted and counted exactly.
 
 The check costs one all-gather of one integer per rank, at points every rank reaches together:
-the first optimizer step, every ``CHECK_EVERY`` steps, and every checkpoint save (so a saved
-``global_samples`` is verified). Between checks nothing is communicated; each rank sums what
+the first optimizer step and every ``CHECK_EVERY`` steps; a checkpoint save also compares the
+counts, through its store handshake rather than a collective (a save made by only some ranks
+must still fail fast there), so a saved ``global_samples`` is verified. Between checks nothing is communicated; each rank sums what
 it saw since the last check, so a mismatch in any step shows at the next check, which raises
 on every rank with each rank's count. No check is made inside the hot loop of other steps,
 because only the rank whose batch changed would know to join it.
@@ -90,16 +91,26 @@ class SampleCounter:
             self.verify(last_step=global_steps)
         return local * self._data_size
 
+    @property
+    def unchecked(self) -> int:
+        """This rank's samples since the last check (what a checkpoint handshake exchanges)."""
+        return self._unchecked
+
     def verify(self, *, last_step: int) -> None:
         """Every data-parallel rank must have trained on as many samples since the last check."""
         if self._data_size > 1 and dist.is_initialized():
             mine = torch.tensor([self._unchecked], dtype=torch.int64, device=self._device)
             every = torch.empty(self._data_size, dtype=torch.int64, device=self._device)
             collectives.all_gather_into_tensor(every, mine, group=self._group, purpose="micro-batch size check")
-            counts = every.tolist()
-            self.checks += 1
-            if len(set(counts)) > 1:
-                self._raise(counts, last_step)
+            self.check_counts(every.tolist(), last_step=last_step)
+        else:
+            self.check_counts([self._unchecked], last_step=last_step)
+
+    def check_counts(self, counts: list[int], *, last_step: int) -> None:
+        """Refuse unequal per-rank counts (every rank's :attr:`unchecked`, gathered by the caller)."""
+        self.checks += 1
+        if len(set(counts)) > 1:
+            self._raise(counts, last_step)
         self._unchecked = 0
         self._first_unchecked_step = last_step + 1
 

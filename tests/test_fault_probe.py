@@ -115,6 +115,7 @@ def _checkpoint_faults(save_dir: str) -> dict:
     dist.barrier()
     out["after_failure"] = sorted(p.name for p in root.iterdir())
     out["latest_after_failure"] = (root / "latest").read_text().strip()
+    dist.barrier()  # every rank has looked before rank 0 plants the next leftover
 
     # 3. A `.partial` left by a process killed mid-save is removed by the next save.
     if rank == 0:
@@ -169,7 +170,7 @@ def test_initial_scale_power_is_bounded_also_in_a_disabled_section() -> None:
 # ---------------------------------------------------------------------------- micro-batch sizes and fp16 overflow
 
 
-def _batch_sizes_and_overflow() -> dict:
+def _batch_sizes_and_overflow(save_dir: str) -> dict:
     import torch.distributed as dist
 
     import partita
@@ -196,14 +197,17 @@ def _batch_sizes_and_overflow() -> dict:
         _train_step(engine, size, step)
     out["global_samples"] = engine.global_samples
 
-    # A mismatch after the first step is caught at the next check (here the checkpoint save).
+    # A mismatch after the first step is caught at the next check: here the checkpoint save, whose
+    # store handshake compares the counts (no collective, so a save by only some ranks still fails fast).
     engine, *_ = partita.initialize(model=build_model(), config=BASE)
     _train_step(engine, 4, 1)
     _train_step(engine, 4 if rank == 0 else 3, 2)
     try:
-        engine.save_checkpoint("/nonexistent-not-reached", tag="x")
+        engine.save_checkpoint(save_dir, tag="x")
     except ValueError as error:
         out["later_step"] = str(error)
+    dist.barrier()
+    out["nothing_saved"] = sorted(p.name for p in Path(save_dir).iterdir())
 
     # fp16: a step skipped for overflow is logged with the loss scale.
     cfg = {**BASE, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
@@ -217,8 +221,8 @@ def _batch_sizes_and_overflow() -> dict:
     return out
 
 
-def test_unequal_micro_batches_refused_counts_exact_and_fp16_overflow_logged() -> None:
-    results = run_distributed(_batch_sizes_and_overflow, 2, timeout=240)
+def test_unequal_micro_batches_refused_counts_exact_and_fp16_overflow_logged(tmp_path: Path) -> None:
+    results = run_distributed(_batch_sizes_and_overflow, 2, str(tmp_path / "ckpt"), timeout=240)
     for rank, out in enumerate(results):
         assert out["first_step"].startswith(
             "micro-batches of different sizes on different data-parallel ranks: in step 1 the ranks trained on "
@@ -230,6 +234,7 @@ def test_unequal_micro_batches_refused_counts_exact_and_fp16_overflow_logged() -
             "micro-batches of different sizes on different data-parallel ranks: in step 2 the ranks trained on "
             "rank 0: 4, rank 1: 3 samples"
         )
+        assert out["nothing_saved"] == []  # refused before writing; no .partial left
         assert out["skipped"] == 1
     overflow = "step 1 skipped: fp16 gradients overflowed (inf/nan) at loss scale 256; the loss scale is now 128"
     assert overflow in results[0]["log"]

@@ -115,13 +115,22 @@ def save_checkpoint(
     partial = Path(save_dir) / (tag + fmt.PARTIAL_SUFFIX) if problem is None else None
     if problem is None and coordinator.rank == 0:
         problem = _prepare_partial_dir(partial)
-    payloads = coordinator.handshake({"tag": tag, "error": problem})
+    samples = getattr(engine, "_samples", None)  # the engine's SampleCounter (partita/sample_count.py)
+    payloads = coordinator.handshake({"tag": tag, "error": problem,
+                                      "samples": samples.unchecked if samples is not None else None})
     failures = [(r, p["error"]) for r, p in enumerate(payloads) if p["error"]]
     if failures:
         if coordinator.rank == 0 and partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
         detail = "; ".join(f"rank {r}: {message}" for r, message in failures)
         raise CheckpointError(f"save_checkpoint did not start: {detail}")
+    if samples is not None:
+        try:  # the saved global_samples must be right: every rank trained on as many samples
+            samples.check_counts([p["samples"] for p in payloads], last_step=engine.global_steps)
+        except ValueError:
+            if coordinator.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
     tag = _agree_on_tag(tag, [p["tag"] for p in payloads], cfg.tag_validation, coordinator.rank)
     save_dir = Path(save_dir)
     partial = save_dir / (tag + fmt.PARTIAL_SUFFIX)
