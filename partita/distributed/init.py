@@ -28,6 +28,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from partita.distributed.shutdown import install_exit_handler
+
 __all__ = [
     "LaunchEnv",
     "current_device",
@@ -273,6 +275,28 @@ def _initialized_backends() -> set[str]:
     return {item.split(":")[-1] for item in names.split(",")}
 
 
+def _agent_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store | None:
+    """The torchrun agent's store with a prefix of its own per restart attempt, or None when
+    the workers are not meant to share the agent's store (then ``env://`` is right as it is).
+
+    ``env://`` connects to the agent's store without a prefix, on the assumption (torch's comment
+    in ``_create_c10d_store``) that every restart gets a new store. The static rendezvous (``partita
+    run --master-port P``, torchrun's ``--rdzv-backend=static``, the multi-node path) keeps one
+    store for the life of the agent, so a restarted attempt found the previous attempt's keys:
+    gloo read the dead workers' addresses and failed with ``connectFullMesh ... Connection
+    refused``, or ranks hung in init, and only a second restart (past the stale keys) recovered.
+    A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps attempts apart on every backend.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not attempt.isdigit():
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={attempt!r} is not a non-negative integer")
+    client = dist.TCPStore(str(launch.master_addr), int(launch.master_port or 0), launch.world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"partita/attempt_{attempt}", client)
+
+
 def init_distributed(*, backend: str = "auto", timeout_seconds: float = 1800.0) -> None:
     """Initialize the default process group from the launch environment; idempotent.
 
@@ -280,6 +304,9 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 1800.0) 
     torch's timeout error naming the operation instead of hanging forever.
     Calling again is a no-op, but asking explicitly for a backend other than the one already
     running raises ValueError, because silently keeping the wrong one hides a config error.
+    Either way the process gets partita's exit path (:mod:`partita.distributed.shutdown`), which
+    tears the process groups down before the interpreter finalizes, so that a finished rank does
+    not die of SIGABRT in gloo's teardown.
     """
     if not timeout_seconds > 0:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0 (seconds per collective)")
@@ -292,6 +319,7 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 1800.0) 
                 f"backend={backend!r} was requested; request 'auto' or the running backend, or "
                 "initialize only once"
             )
+        install_exit_handler()  # a group the user started: still ours to end cleanly
         return
 
     chosen = resolve_backend(backend)
@@ -305,8 +333,11 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 1800.0) 
         kwargs["device_id"] = device
 
     if launch.source == "torchrun":
-        # env:// lets workers join the torchrun agent's store instead of opening a second one.
-        dist.init_process_group(init_method="env://", **kwargs)
+        store = _agent_store(launch, timeout)
+        if store is not None:
+            dist.init_process_group(store=store, rank=launch.rank, world_size=launch.world_size, **kwargs)
+        else:
+            dist.init_process_group(init_method="env://", **kwargs)
     elif launch.source == "slurm":
         host = f"[{launch.master_addr}]" if ":" in str(launch.master_addr) else launch.master_addr
         dist.init_process_group(init_method=f"tcp://{host}:{launch.master_port}",
@@ -314,3 +345,4 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 1800.0) 
     else:
         # In-process store: a plain `python train.py` opens no port and cannot collide.
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    install_exit_handler()
