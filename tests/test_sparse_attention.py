@@ -287,3 +287,33 @@ def test_initialize_reads_the_section() -> None:
     with torch.no_grad():
         plain = float(_gpt()(idx, idx)[1])
     assert abs(got - expected) < 1e-6 and abs(got - plain) > 1e-4
+
+
+def test_sliding_window_and_document_masks() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from partita.ops.sparse_attention import document_mask, masked_attention, sliding_window_mask
+
+    q, k, v = _qkv(2, 32, seed=5)
+    documents = torch.tensor([[0] * 10 + [1] * 22, [0] * 5 + [1] * 5 + [2] * 22])
+    expected = {
+        "window": torch.tensor([[0 <= i - j < 6 for j in range(32)] for i in range(32)])[None, None],
+        "documents": torch.stack([
+            torch.tensor([[j <= i and int(documents[b, i]) == int(documents[b, j]) for j in range(32)] for i in range(32)])
+            for b in range(2)
+        ])[:, None],  # fmt: skip
+    }
+    for name, mask_mod in (("window", sliding_window_mask(6)), ("documents", document_mask(documents))):
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=expected[name])
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = masked_attention(*inputs, mask_mod)
+        assert (out - reference).abs().max() < 1e-5, name
+        out.sum().backward()
+        assert inputs[0].grad is not None
+        # The same mask_mod as a FlexAttention BlockMask (the CUDA path), forward on CPU.
+        block_mask = create_block_mask(mask_mod, 2, None, 32, 32, device="cpu", BLOCK_SIZE=8)
+        assert (flex_attention(q, k, v, block_mask=block_mask) - reference).abs().max() < 1e-5, name
+    with pytest.raises(ValueError, match="sliding window 0"):
+        sliding_window_mask(0)
+    with pytest.raises(ValueError, match=r"document_ids must be an integer tensor \(batch, seq\)"):
+        document_mask(torch.zeros(4))
