@@ -130,6 +130,9 @@ def test_missing_deepspeed_names_raise_not_implemented_naming_them() -> None:
         partita.utils.safe_get_full_fp32_param
     with pytest.raises(NotImplementedError, match=r"get_accelerator\(\)\.create_op_builder\(\) builds DeepSpeed's compiled"):
         partita.accelerator.get_accelerator().create_op_builder
+    with pytest.raises(NotImplementedError, match=r"deepspeed\.checkpointing\.get_cuda_rng_tracker \(Megatron's"):
+        partita.runtime.activation_checkpointing.checkpointing.get_cuda_rng_tracker
+    assert partita.checkpointing.non_reentrant_checkpoint is partita.checkpointing.checkpoint
     # Still an AttributeError for attribute probing: hasattr and getattr's default keep working.
     assert not hasattr(partita, "init_inference") and getattr(partita, "OnDevice", 7) == 7
     assert issubclass(MissingDeepSpeedFeature, AttributeError)
