@@ -4,7 +4,8 @@ A GPT-2 built from a small config inside ``partita.zero.Init`` trains with ``Par
 on 2 gloo ranks at ZeRO-3: the Trainer's logged loss per step and the weights it saves with
 ``save_model`` (read back with ``from_pretrained``) equal a plain-torch loop on the same global
 batches (AdamW, the Trainer's weight-decay groups, linear schedule, clipping), and the loss
-falls. The config's ``"auto"`` values come from the TrainingArguments; disagreements are errors.
+falls; ``train(resume_from_checkpoint=...)`` from the step-2 checkpoint repeats steps 3-4
+exactly. The config's ``"auto"`` values come from the TrainingArguments; disagreements are errors.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def _dataset() -> list[dict]:
 def _training_args(out_dir: str, **kw):
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    settings = dict(
         output_dir=out_dir, per_device_train_batch_size=MICRO, num_train_epochs=EPOCHS, learning_rate=LR,
         weight_decay=WD, max_grad_norm=1.0, adam_epsilon=EPS, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        use_cpu=True, disable_tqdm=True, **kw,
+        use_cpu=True, disable_tqdm=True,
     )
+    return TrainingArguments(**{**settings, **kw})
 
 
 class _RecordingCollator:
@@ -78,7 +80,7 @@ def _train_with_partita(out_dir: str) -> dict:
     import partita.zero
     from partita.integrations.hf import PartitaTrainer
 
-    args = _training_args(out_dir)
+    args = _training_args(out_dir, save_strategy="steps", save_steps=2)
     torch.manual_seed(0)
     with partita.zero.Init(config_dict_or_path={"zero_optimization": CONFIG["zero_optimization"]}):
         model = GPT2LMHeadModel(_gpt2_config())
@@ -90,7 +92,16 @@ def _train_with_partita(out_dir: str) -> dict:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     lrs = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
-    return {"rank": dist.get_rank(), "losses": losses, "lrs": lrs, "norms": norms, "batches": collator.batches}
+    # Resume a fresh model from the checkpoint after step 2 and train the rest again.
+    torch.manual_seed(1)  # other initial weights: the checkpoint must bring the trained ones
+    again = PartitaTrainer(model=GPT2LMHeadModel(_gpt2_config()), args=_training_args(os.path.join(out_dir, "again")),
+                           train_dataset=_dataset(), data_collator=_RecordingCollator(), partita_config=CONFIG)
+    again.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    again.save_model(os.path.join(out_dir, "resumed"))
+    resumed = [entry["loss"] for entry in again.state.log_history if "loss" in entry]
+    return {"rank": dist.get_rank(), "losses": losses, "lrs": lrs, "norms": norms, "batches": collator.batches,
+            "resumed_losses": resumed, "resumed_step": again.state.global_step,
+            "saved": sorted(os.listdir(os.path.join(out_dir, "checkpoint-2")))}
 
 
 def _plain_torch(global_batches: list[torch.Tensor]) -> tuple[list[float], list[float], dict]:
@@ -142,6 +153,12 @@ def test_partita_trainer_zero3_matches_a_plain_torch_loop(tmp_path) -> None:
     for name, tensor in saved.state_dict().items():
         want = ref_weights[name]
         assert float((tensor - want).norm()) <= 1e-5 * float(want.norm()) + 1e-7, name
+    # train(resume_from_checkpoint=) continues exactly: the same last two losses and weights.
+    assert {"partita", "latest", "model.safetensors", "trainer_state.json"} <= set(r0["saved"]), r0["saved"]
+    assert r0["resumed_step"] == steps and r0["resumed_losses"] == r0["losses"]  # steps 1-2 come from the saved state
+    resumed = GPT2LMHeadModel.from_pretrained(str(tmp_path / "resumed"))
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, saved.state_dict()[name]), name
 
 
 def test_trainer_config_fills_auto_and_refuses_disagreements(tmp_path) -> None:
