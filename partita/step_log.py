@@ -59,6 +59,9 @@ class StepLogger:
         self._every = config.steps_per_print
         self._device = engine.device
         self._is_rank0 = engine.topology.rank == 0
+        # Tensor ranks compute on the same tokens: count them on one, or tokens/s is tensor-size times too high.
+        self._counts_tokens = engine.topology.tensor_rank == 0
+        self._layout = engine.topology.describe() if engine.topology.is_model_parallel() else None
         self._timers = PhaseTimers(device=self._device, enabled=config.wall_clock_breakdown)
         self._meter = ThroughputMeter(warmup_steps=config.throughput.warmup_steps, sync=self._sync)
         self._losses: list[torch.Tensor] = []
@@ -221,8 +224,8 @@ class StepLogger:
         current, peak = memory_bytes(self._device)
         rest = [
             float(len(self._losses)),
-            float(window.local_tokens if window else 0),
-            float(total.local_tokens if total else 0),
+            float(window.local_tokens if window and self._counts_tokens else 0),
+            float(total.local_tokens if total and self._counts_tokens else 0),
             current,
             peak,
         ]
@@ -285,6 +288,9 @@ class StepLogger:
         self._totals = {k: v for k, v in metrics.items() if k.startswith("avg_") and v is not None}
         self.last_line = _format_line(engine, metrics, phases)
         if self._is_rank0:
+            if self._layout is not None:  # the first print step says how the model is laid out
+                logger.info("layout: %s", self._layout)
+                self._layout = None
             logger.info(self.last_line)
             self._monitors.write_events(
                 [(f"Train/Samples/{name}", value, engine.global_samples) for name, value in self.last_metrics.items()]

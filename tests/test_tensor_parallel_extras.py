@@ -42,14 +42,19 @@ def _train_dropout(cfg: dict) -> dict:
         _, loss = engine(xs[step], ys[step])
         engine.backward(loss)
         engine.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters() if is_tensor_replicated(p)}
+    metrics = engine._step_log.last_metrics  # steps_per_print 2: the print step just ran
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if is_tensor_replicated(p)}
+    return {"params": params, "tokens_per_sample": metrics["tokens_per_sec"] / metrics["samples_per_sec"]}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_dropout_keeps_replicated_parameters_identical_across_tensor_ranks(sequence_parallel: bool) -> None:
     cfg = {**_config(2, 2, sequence_parallel), "train_batch_size": GLOBAL_BATCH,
-           "activation_checkpointing": {"policy": "every"}}
-    a, b = run_distributed(_train_dropout, 2, cfg, timeout=240)
+           "activation_checkpointing": {"policy": "every"}, "steps_per_print": 2, "throughput": {"warmup_steps": 0}}
+    ra, rb = run_distributed(_train_dropout, 2, cfg, timeout=240)
+    # Both tensor ranks read the same tokens: they are counted once, not twice.
+    assert ra["tokens_per_sample"] == pytest.approx(SEQ, rel=1e-9)
+    a, b = ra["params"], rb["params"]
     assert a and a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name  # same stream where replicated, or replicas would drift
@@ -66,11 +71,21 @@ def _tensor_parallel_bytes(sequence_parallel: bool) -> dict:
     cfg = {**_config(0, 2, sequence_parallel), "comms_logger": {"enabled": True, "debug": True}}
     engine, *_ = partita.initialize(model=model, config=cfg)
     xs, ys = _batches()
+    shapes = []
+    model.blocks[0].ln_1.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
     before = _by_op(COMMS_LOGGER.summary())
-    _, loss = engine(xs[0], ys[0])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = engine(xs[0], ys[0])
     engine.backward(loss)
     after = _by_op(COMMS_LOGGER.summary())
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return {"bytes": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "ln_input": shapes[0],
+            "saved_bytes": sum(saved)}
 
 
 def _by_op(summary) -> dict:
@@ -85,14 +100,19 @@ def _by_op(summary) -> dict:
 def test_collective_volume_per_step_follows_megatron() -> None:
     b, s, h, layers, fp32 = GLOBAL_BATCH, SEQ, 32, 2, 4
     bsh = b * s * h * fp32
-    plain = run_distributed(_tensor_parallel_bytes, 2, False)[0]
+    plain_run = run_distributed(_tensor_parallel_bytes, 2, False)[0]
+    plain = plain_run["bytes"]
     # Megatron without sequence parallelism: 4 all-reduces of b*s*h per block (2 forward, 2
     # backward), plus the embedding's forward all-reduce and the LM head's input-gradient one.
     assert plain[("all_reduce", "tensor parallel: output all-reduce")] == (2 * layers + 1) * bsh
     assert plain[("all_reduce", "tensor parallel: input-gradient all-reduce")] == (2 * layers + 1) * bsh
     # The vocabulary-parallel loss moves 3 floats per token, not b*s*vocab logits.
     assert plain[("all_reduce", "tensor parallel: loss max")] + plain[("all_reduce", "tensor parallel: loss sums")] == 3 * b * s * fp32
-    sp = run_distributed(_tensor_parallel_bytes, 2, True)[0]
+    sp_run = run_distributed(_tensor_parallel_bytes, 2, True)[0]
+    sp = sp_run["bytes"]
+    # The LayerNorm regions run on sequence shards, and the activations autograd keeps shrink.
+    assert plain_run["ln_input"] == (b, s, h) and sp_run["ln_input"] == (b, s // 2, h)
+    assert sp_run["saved_bytes"] < plain_run["saved_bytes"]
     # With it: each block's all-reduces become reduce-scatter + all-gather pairs of the same bytes.
     gathers = sp[("all_gather_into_tensor", "tensor parallel: sequence all-gather")]
     scatters = sp[("reduce_scatter_tensor", "tensor parallel: sequence reduce-scatter")]
