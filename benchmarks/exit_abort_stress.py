@@ -16,8 +16,10 @@ of SIGABRT (exit code 134 from ``partita run``), and as a failure for any other 
     python benchmarks/exit_abort_stress.py --launches 50            # the issue's goal: 0 aborts
     python benchmarks/exit_abort_stress.py --launches 20 --raw      # plain torch, no partita
 
-``--raw`` launches a script that uses torch.distributed alone (init, a few all-reduces, exit),
-which shows the abort is torch's and what partita's exit path changes. Needs no GPU; results go
+``--raw`` launches a script that starts the process group with ``partita.distributed.init_distributed``
+and then uses torch.distributed alone (a few all-reduces, a barrier, exit): the abort is torch's
+(``dist.init_process_group`` in its place aborts as often), and this is the script that hits it
+most often, since its last collective comes right before the end. Needs no GPU; results go
 to stdout, one line per launch and a summary (also as JSON with ``--json PATH``).
 """
 
@@ -75,7 +77,8 @@ WORKER = textwrap.dedent(
 RAW_WORKER = textwrap.dedent(
     """
     import torch, torch.distributed as dist
-    dist.init_process_group("gloo")
+    from partita.distributed import init_distributed
+    init_distributed(backend="gloo")
     t = torch.ones(1000)
     for _ in range(5):
         dist.all_reduce(t)
@@ -120,7 +123,8 @@ def launch(script: Path, args: list[str], *, timeout_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=50)
-    parser.add_argument("--raw", action="store_true", help="plain torch.distributed, no partita")
+    parser.add_argument("--raw", action="store_true", help="init_distributed + plain torch.distributed collectives")
+    parser.add_argument("--offset", type=int, default=0, help="start the variant cycle at this index (0-19)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per launch before it counts as a hang")
     parser.add_argument("--json", default=None, help="also write the per-launch records here")
     args = parser.parse_args(argv)
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         script = Path(tmp) / "worker.py"
         script.write_text(RAW_WORKER if args.raw else WORKER)
         combos = variants()
+        for _ in range(args.offset):
+            next(combos)
         for index in range(args.launches):
             if args.raw:
                 label, script_args = "raw", []

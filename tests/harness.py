@@ -6,6 +6,12 @@ calls ``fn(*args)`` in each, and returns the per-rank results in rank order. An
 exception in any rank fails the test with that rank's traceback; a rank that does not
 finish within ``timeout`` seconds fails it as a hang, and every process is killed.
 ``fn`` must be a module-level function (it is pickled by name for ``spawn``).
+
+The parent hosts the job's TCPStore on a port the OS picks while binding it, and the ranks join
+it as clients, as torchrun's workers join the agent's store (``TORCHELASTIC_USE_AGENT_STORE``).
+Picking a free port first and letting rank 0 bind it later raced with every other process on a
+busy machine (another test job could take the port in between: "address already in use"), and a
+rank 0 that finished first took the store away from ranks still reading it.
 """
 
 from __future__ import annotations
@@ -14,16 +20,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_lib
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# How long the ranks may take to start (spawn, import torch) before the test body's own
+# ``timeout`` begins: on a 2-core machine busy with other jobs, start-up alone took over 60 s,
+# which used to count against the body's hang timeout.
+STARTUP_TIMEOUT_S = 300.0
+_READY = "ready"
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: mp.Queue) -> None:
@@ -35,10 +41,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         CUDA_VISIBLE_DEVICES="",
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent hosts the store (see the module doc)
     )
     import torch
 
     torch.set_num_threads(1)
+    results.put((rank, _READY, None))
     try:
         value = fn(*args)
         # Plain pickle copies tensors by value; torch's shared-memory reducer would hand
@@ -50,7 +58,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            # partita's exit path: destroys the groups and joins gloo's worker threads now.
+            from partita.distributed.shutdown import teardown_process_groups
+
+            teardown_process_groups()
 
 
 def run_distributed(
@@ -61,20 +72,31 @@ def run_distributed(
     Ranks in ``expect_dead`` are allowed to exit without reporting (tests of a rank that
     dies); their result is None.
     """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
+    ready: set[int] = set()
+    # Until every rank has started, only the start-up limit applies; then the body's timeout.
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S + timeout
     try:
         must_report = set(range(world_size)) - set(expect_dead)
         while not must_report <= set(outcome):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(must_report - set(outcome))
+                if len(ready) < world_size:
+                    late = sorted(set(range(world_size)) - ready)
+                    raise TimeoutError(f"ranks {late} of {world_size} did not start within {STARTUP_TIMEOUT_S:.0f} s")
                 raise TimeoutError(f"hang: ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
@@ -87,6 +109,11 @@ def run_distributed(
                 if dead:
                     raise RuntimeError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
                 continue
+            if ok == _READY:
+                ready.add(rank)
+                if len(ready) == world_size:
+                    deadline = time.monotonic() + timeout
+                continue
             outcome[rank] = (ok, pickle.loads(value) if ok else value)
     finally:
         for p in procs:
@@ -94,6 +121,7 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # only now: a rank may read the store until it exits
     failures = [(r, v) for r, (ok, v) in sorted(outcome.items()) if not ok]
     if failures:
         detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
