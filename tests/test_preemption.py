@@ -251,5 +251,28 @@ def test_guard_is_off_without_save_dir_or_signals() -> None:
     assert not PreemptionGuard(None, None).enabled
 
 
+def test_warns_when_torchrun_would_kill_the_ranks_before_the_deadline(monkeypatch, caplog) -> None:
+    import logging
+
+    import torch.distributed.launcher.api as launcher_api
+
+    from partita.checkpoint.preemption import _warn_if_torchrun_cuts_the_save
+
+    class OldLaunchConfig:  # torch < 2.12: no shutdown_timeout field
+        __dataclass_fields__: dict = {}
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setattr(launcher_api, "LaunchConfig", OldLaunchConfig)
+    logging.getLogger("partita").propagate = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="partita"):
+            _warn_if_torchrun_cuts_the_save(20)
+            assert not caplog.records
+            _warn_if_torchrun_cuts_the_save(60)
+    finally:
+        logging.getLogger("partita").propagate = False
+    assert "is 60 s, but this torch's torchrun kills the ranks 30 s after it forwards a signal" in caplog.text
+
+
 if __name__ == "__main__":
     _job()

@@ -135,6 +135,20 @@ def reset_signal_state() -> None:
     _STATE.signum, _STATE.deadline_at, _STATE.extra_signals, _STATE.saved = None, None, 0, False
 
 
+def _warn_if_torchrun_cuts_the_save(deadline_s: float) -> None:
+    """torchrun before torch 2.12 SIGKILLs ranks 30 s after it forwarded a signal (no shutdown timeout)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or deadline_s < 30:
+        return
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in getattr(LaunchConfig, "__dataclass_fields__", {}):
+        logger.warning(
+            "checkpoint.signal_save_deadline_seconds is %g s, but this torch's torchrun kills the ranks 30 s after it "
+            "forwards a signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT needs torch >= 2.12); a save longer than that is cut "
+            "short (the previous checkpoint stays latest). Set the deadline below 30 s", deadline_s,
+        )
+
+
 class PreemptionGuard:
     """The engine's end-of-step check; inert when saving on a signal is off."""
 
@@ -146,6 +160,7 @@ class PreemptionGuard:
         if self.enabled:
             self.enabled = _install(list(section.save_on_signal), section.signal_save_deadline_seconds)
         if self.enabled:
+            _warn_if_torchrun_cuts_the_save(section.signal_save_deadline_seconds)
             # NCCL reduces only device tensors; gloo takes CPU ones.
             self._flag = torch.zeros(1, dtype=torch.int32, device=engine.device)
 
