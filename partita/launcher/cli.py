@@ -28,6 +28,7 @@ _RUN_EPILOG = """\
 layouts (strongest first):
   flags        --nnodes 2 --node-rank 0 --master-addr node01 [--master-port 29500]
   hostfile     --hostfile hosts.txt   (lines 'HOST slots=N'; start partita run on every host)
+  elastic      --nnodes 2:4 --rdzv-backend c10d --rdzv-endpoint node01:29400   (same on every node)
   Kubernetes   a PyTorchJob or JobSet pod (PET_* / JobSet variables; see partita k8s)
   SLURM        srun --ntasks-per-node=1 partita run train.py   (nodes read from the allocation)
   local        one node, all GPUs, or 2 CPU processes without a GPU
