@@ -59,8 +59,9 @@ class StepLogger:
         self._every = config.steps_per_print
         self._device = engine.device
         self._is_rank0 = engine.topology.rank == 0
-        # Tensor ranks compute on the same tokens: count them on one, or tokens/s is tensor-size times too high.
-        self._counts_tokens = engine.topology.tensor_rank == 0
+        # Tensor and sequence ranks are given the same samples (sequence parallelism cuts them inside
+        # the model): count them on one, or tokens/s is tensor x sequence size times too high.
+        self._counts_tokens = engine.topology.tensor_rank == 0 and engine.topology.sequence_rank == 0
         self._layout = engine.topology.describe() if engine.topology.is_model_parallel() else None
         self._timers = PhaseTimers(device=self._device, enabled=config.wall_clock_breakdown)
         self._meter = ThroughputMeter(warmup_steps=config.throughput.warmup_steps, sync=self._sync)
