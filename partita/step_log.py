@@ -38,6 +38,7 @@ from partita.monitor.mfu import achieved_tflops_per_device, device_peak_tflops, 
 from partita.monitor.monitors import build_monitors
 from partita.monitor.throughput import Span, ThroughputMeter, count_tokens
 from partita.monitor.timers import PhaseTimers
+from partita.moe.monitor import RoutingMonitor
 
 logger = logging.getLogger("partita")
 
@@ -89,6 +90,8 @@ class StepLogger:
         self._totals: dict[str, float] = {}
         # `partita tune` trials only (environment variables): report after N steps and exit.
         self._trial = TrialReporter.from_env()
+        # MoE layers: tokens per expert, dropped fraction, aux loss (partita/moe/monitor.py).
+        self._routing = RoutingMonitor(engine.module, device=self._device)
 
     # ------------------------------------------------------------------ helpers
     def _sync(self) -> None:
@@ -285,9 +288,11 @@ class StepLogger:
             "memory_peak_gib": max(r[5] for r in rows) / _GIB,
             **{f"elapsed_time_ms_{name}": 1000.0 * seconds for name, seconds in phases.items()},
         }
+        routing = self._routing.collect()  # collective (an all-reduce) when the model has MoE layers
+        metrics.update(routing)
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self._totals = {k: v for k, v in metrics.items() if k.startswith("avg_") and v is not None}
-        self.last_line = _format_line(engine, metrics, phases)
+        self.last_line = _format_line(engine, metrics, phases) + self._routing.format(routing)
         if self._is_rank0:
             if self._layout is not None:  # the first print step says how the model is laid out
                 logger.info("layout: %s", self._layout)

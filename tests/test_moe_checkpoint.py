@@ -1,6 +1,7 @@
 """Checkpoints store experts by global expert index: saved at ep 2 (x expert-data 2), they load
 at ep 4, at ep 1 on 4 ranks, and at ep 1 in a single process, exactly; the next step (which
-reads the restored Adam moments) equals the uninterrupted ep 2 run."""
+reads the restored Adam moments) equals the uninterrupted ep 2 run; consolidation exports
+every expert."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def _global(per_rank: list[dict], run: str, key: str) -> dict[str, torch.Tensor]
 
 
 def test_reshard_ep2_to_ep4_ep1_and_one_process(tmp_path) -> None:
-    per_rank = run_distributed(save_and_reshard, 4, str(tmp_path), timeout=240)
+    per_rank = run_distributed(save_and_reshard, 4, str(tmp_path), timeout=600)
     saved = _global(per_rank, "ep2", "saved")
     assert not any(torch.isnan(v).any() for v in saved.values())
     continued = _global(per_rank, "ep2", "next")
@@ -99,3 +100,14 @@ def test_reshard_ep2_to_ep4_ep1_and_one_process(tmp_path) -> None:
     single = run_distributed(load_single, 1, str(tmp_path))[0]
     for name in saved:
         assert torch.equal(single[name], saved[name]), f"one process {name}"
+    # `partita checkpoint consolidate` exports every expert, by global index.
+    from safetensors.torch import load_file
+
+    from partita.checkpoint.consolidate import consolidate
+
+    consolidate(tmp_path / "ep2", tmp_path / "hf")
+    exported = {}
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(str(file)))
+    for name in saved:
+        assert torch.equal(exported[name], saved[name]), f"consolidated {name}"

@@ -55,9 +55,10 @@ class RoutingStats:
     """Routing since the last :meth:`MoE.take_routing_stats` (summed over forwards, this rank)."""
 
     tokens_per_expert: torch.Tensor  # (num_experts,) assignments before dropping
-    dropped_fraction: float
-    l_aux: float
+    dropped_fraction: float  # of the (token, choice) assignments
+    l_aux: float  # mean over the forwards
     forwards: int
+    assignments: float = 0.0  # (token, choice) assignments routed
 
 
 class MoE(nn.Module):
@@ -225,7 +226,8 @@ class MoE(nn.Module):
         counts, dropped, assignments, l_aux = self._stats
         forwards = self._stat_forwards
         self._stats, self._stat_forwards = None, 0
-        return RoutingStats(counts.cpu(), float(dropped) / max(float(assignments), 1.0), float(l_aux) / forwards, forwards)
+        return RoutingStats(counts.cpu(), float(dropped) / max(float(assignments), 1.0), float(l_aux) / forwards, forwards,
+                            float(assignments))
 
 
 def _validate(*, num_experts: int, ep_size: int, k: int, noisy_gate_policy, drop_policy: str, capacity_factor: float,

@@ -210,7 +210,7 @@ def iter_fp32_master(zero) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
                 full = mine
             else:
                 full = torch.empty(num_shards * spec.shard_numel, dtype=mine.dtype, device=mine.device)
-                collectives.all_gather_into_tensor(
-                    full, mine, group=optimizer.process_group, purpose="fp32 state-dict export"
-                )
-            yield param, full[: spec.numel].view(spec.shape)
+                # The group's own comm: expert parameters are sharded over their expert-data group.
+                process_group = optimizer.process_group if group.comm is None else group.comm.process_group
+                collectives.all_gather_into_tensor(full, mine, group=process_group, purpose="fp32 state-dict export")
+            yield param, full[: spec.numel].view(spec.shape)  # an expert parameter: this rank's experts only
