@@ -146,9 +146,7 @@ def assemble(reader: ShardReader, key: str, record: dict[str, Any], current: Ten
     full_shape = tuple(record["shape"])
     saved = _split(record)
     if saved is None and current is None:
-        out = torch.empty(record["numel"], dtype=dtype)
-        reader.read_range(key, shards_of(record["shards"]), 0, record["numel"], out)
-        return out.view(full_shape)
+        return reader.read_full(key, {**record, "shards": shards_of(record["shards"])}, dtype)
     if saved is not None and current is not None and saved["dim"] != current.dim:
         raise CheckpointMismatchError(
             f"{key!r} was split along dimension {saved['dim']} by tensor parallelism when saved and is split along "
