@@ -41,6 +41,9 @@ from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_
 from partita.ops.sparse_attention.apply import apply_config as apply_sparse_attention_config
 from partita.sequence.apply import apply_sequence_parallel
 from partita.zero.api import apply_zero
+from partita.pipe import PipelineModule
+from partita.pipe.engine import PipelineEngine
+from partita.pipe.setup import pipe_size_for, prepare_pipeline
 
 logger = logging.getLogger("partita")
 
@@ -103,7 +106,7 @@ def initialize(
 
     init_distributed(backend=cfg.distributed.backend, timeout_seconds=cfg.distributed.timeout_seconds)
     device = current_device()
-    topology = _build_topology(cfg, device_type=device.type)
+    topology = _build_topology(cfg, device_type=device.type, model=model)
     batch = resolve_batch_sizes(cfg, dp_world_size=topology.data_size)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
@@ -127,6 +130,7 @@ def initialize(
     expert_comms = bind_experts(model, topology)
     _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage,
                  expert_comms=expert_comms)
+    prepare_pipeline(model, cfg, topology)  # a PipelineModule: refusals, config checks, tied-weight broadcast
     apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
     apply_sparse_attention_config(model, cfg.sparse_attention, sequence_parallel_size=topology.sequence_size)
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
@@ -159,7 +163,8 @@ def initialize(
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
     loss_scaler = build_loss_scaler(cfg.fp16) if cfg.precision == "fp16" else None
     dataloader = _build_dataloader(training_data, collate_fn, batch.micro_batch_size, topology, cfg)
-    engine = Engine(
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine  # train_batch (partita/pipe)
+    engine = engine_class(
         module=model,
         zero=zero,
         batch=batch,
@@ -178,10 +183,11 @@ def initialize(
     return engine, zero.optimizer, dataloader, scheduler
 
 
-def _build_topology(cfg: PartitaConfig, *, device_type: str) -> Topology:
+def _build_topology(cfg: PartitaConfig, *, device_type: str, model: nn.Module | None = None) -> Topology:
     """The mesh from the config's model-parallel sizes; a layout that cannot cover the world is a
     ConfigError naming every factor (raised identically on every rank)."""
-    sizes = {Axis.TENSOR: cfg.tensor_parallel.size, Axis.SEQUENCE: cfg.sequence_parallel_size}
+    sizes = {Axis.TENSOR: cfg.tensor_parallel.size, Axis.SEQUENCE: cfg.sequence_parallel_size,
+             Axis.PIPE: pipe_size_for(cfg, model)}
     try:
         resolve_mesh_shape(world_size=dist.get_world_size(), sizes={Axis.DATA: None, **sizes})
     except ValueError as error:

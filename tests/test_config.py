@@ -335,7 +335,6 @@ def test_every_problem_is_listed_in_one_error() -> None:
     [
         ({"comet": {"enabled": True, "project": "p"}}, "comet"),
         ({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.5}}, "flops_profiler.recompute_fwd_factor"),
-        ({"pipeline": {"stages": 2}}, "pipeline"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
         ({"memory_breakdown": True}, "memory_breakdown"),
@@ -396,7 +395,7 @@ def test_a_boolean_is_not_mistaken_for_a_numeric_default() -> None:
 
 def test_unsupported_table_holds_the_documented_sections() -> None:
     top = set(UNSUPPORTED[()])
-    for key in ("comet", "pipeline", "seq_parallel_communication_data_type",
+    for key in ("comet", "seq_parallel_communication_data_type",
                 "prescale_gradients", "amp",
                 "data_efficiency", "compression_training", "moe",
                 "zero_allow_untested_optimizer", "memory_breakdown", "dump_state", "prescale_gradients"):  # fmt: skip

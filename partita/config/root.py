@@ -32,6 +32,7 @@ from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from partita.ops.sparse_attention.config import SparseAttentionConfig
+from partita.pipe.config import PipelineConfig
 from partita.sequence.config import SequenceParallelConfig
 from partita.tensor_parallel.config import TensorParallelConfig
 from partita.zero.config import ZeroConfig
@@ -241,6 +242,15 @@ class PartitaConfig(StrictSection):
         description=(
             "DeepSpeed's block-sparse attention patterns (dense, fixed, variable, bigbird, bslongformer), run on "
             "FlexAttention; the reference GPT's attention uses it. Default null (dense attention)."
+        ),
+    )
+
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description=(
+            "Pipeline parallelism over a partita.pipe.PipelineModule (the topology's pipe axis): DeepSpeed's keys "
+            "plus partita's schedule (1f1b, gpipe, interleaved_1f1b, zero_bubble) and virtual_stages. Default: "
+            "the module's settings, schedule 1f1b."
         ),
     )
 

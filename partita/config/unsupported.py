@@ -1,7 +1,7 @@
 """DeepSpeed settings that partita does not implement yet, and when they are harmless.
 
 A DeepSpeed config copied into partita may carry keys for features partita lacks
-(offload, ZeRO-3 tuning, the Comet monitor, pipeline parallelism, ...). Silently ignoring them
+(offload, ZeRO-3 tuning, the Comet monitor, ...). Silently ignoring them
 would train something other than what the user asked for, so each one is rejected with
 a message that says so. A key set to DeepSpeed's own default has no effect in DeepSpeed
 either (``"comet": {"enabled": false}``, ``"offload_optimizer": {"device": "none"}``,
@@ -100,7 +100,6 @@ _DEEPCOMPILE = (
 UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
     (): {
         "comet": Unsupported(_off(), _MONITOR),
-        "pipeline": Unsupported({}),
         "seq_parallel_communication_data_type": Unsupported("fp32"),
         "prescale_gradients": Unsupported(
             False,

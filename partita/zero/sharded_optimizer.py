@@ -104,6 +104,20 @@ class ShardedOptimizer:
             for group in groups
         ]
 
+    def count_norm_across(self, group: dist.ProcessGroup, *, uncounted_params: Collection[torch.Tensor] = ()) -> None:
+        """Sum the global gradient norm over ``group`` too (pipeline stages, partita/pipe): each
+        stage holds different parameters, like the tensor axis; ``uncounted_params`` are this
+        rank's copies of parameters another rank of ``group`` counts (a tied embedding's second owner).
+        One model-parallel group only: pipe x tensor would need a group over both."""
+        if self._model_parallel_group is not None:
+            raise NotImplementedError("the gradient norm already sums over the tensor axis; pipeline x tensor "
+                                      "parallelism is not implemented yet")
+        self._model_parallel_group = group
+        uncounted = {id(p) for p in uncounted_params}
+        for slices, shard_group in zip(self._uncounted_slices, self.groups):
+            slices.extend(slice(spec.partition_offset, spec.partition_offset + (end - start))
+                          for param, spec, (start, end) in shard_group.owned_slices() if id(param) in uncounted and end > start)
+
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The data-parallel group the partitions are split over."""

@@ -1,0 +1,80 @@
+"""The ``pipeline`` config section: DeepSpeed 0.19.8's keys plus partita's schedule choice.
+
+DeepSpeed merges this section as a plain dict and ignores most of it (``stages`` and
+``partition`` are never read). partita validates every key: ``stages`` sets the topology's pipe
+axis and must agree with the ``PipelineModule``; ``partition`` and ``seed_layers`` describe how the
+module (already built when ``initialize`` runs) was cut, so a value that disagrees is an error
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import Field
+
+from partita.config.base import JsonInt, StrictSection
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+
+
+class PipelineConfig(StrictSection):
+    """Pipeline parallelism over a :class:`partita.pipe.PipelineModule`."""
+
+    stages: Union[Literal["auto"], JsonInt] = Field(
+        "auto",
+        description=(
+            "Pipeline stages (the topology's pipe axis). \"auto\": the PipelineModule's num_stages (1 for other "
+            "models). An int must equal the module's num_stages. DeepSpeed default \"auto\" (which it ignores)."
+        ),
+    )
+    partition: str = Field(
+        "best",
+        description=(
+            "\"best\": the module's partition_method. Otherwise it must equal the module's partition_method "
+            "(\"parameters\", \"uniform\", \"type:<regex>\"): the module is partitioned when it is built. "
+            "DeepSpeed default \"best\" (ignored by DeepSpeed)."
+        ),
+    )
+    seed_layers: bool = Field(
+        False,
+        description="true requires PipelineModule(seed_layers=True) (each layer i built under base_seed + i). Default false.",
+    )
+    activation_checkpoint_interval: JsonInt = Field(
+        0,
+        ge=0,
+        description=(
+            "> 0: checkpoint every run of this many layers of a stage (overrides the module's value, as in "
+            "DeepSpeed). Default 0: the module's."
+        ),
+    )
+    pipe_partitioned: bool = Field(
+        True,
+        description="DeepSpeed: split stage activations across tensor ranks. Only meaningful with tensor parallelism, "
+                    "which partita does not combine with pipelines yet. Default true.",
+    )
+    grad_partitioned: bool = Field(
+        True,
+        description="DeepSpeed: split activation gradients across tensor ranks; as pipe_partitioned. Default true.",
+    )
+    use_reentrant: bool | None = Field(
+        None,
+        description="Activation checkpointing of layer runs: true uses torch's reentrant checkpoint; "
+                    "null/false the non-reentrant one. Default null (partita: non-reentrant).",
+    )
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"] = Field(
+        "1f1b",
+        description=(
+            "partita only: torch.distributed.pipelining schedule. \"1f1b\" (DeepSpeed's), \"gpipe\", "
+            "\"interleaved_1f1b\" and \"zero_bubble\" (ScheduleInterleavedZeroBubble; both need virtual_stages >= 2). "
+            "Default \"1f1b\"."
+        ),
+    )
+    virtual_stages: JsonInt | None = Field(
+        None,
+        ge=1,
+        description=(
+            "partita only: model chunks per rank for the interleaved schedules; must equal "
+            "PipelineModule(virtual_stages=...). Default null: the module's."
+        ),
+    )

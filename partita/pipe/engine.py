@@ -1,0 +1,282 @@
+"""``PipelineEngine``: what ``partita.initialize`` returns for a :class:`partita.pipe.PipelineModule`.
+
+DeepSpeed's pipeline API: ``loss = engine.train_batch(data_iter)`` runs one whole batch
+(``gradient_accumulation_steps`` micro-batches) through the pipeline schedule and updates the
+weights; ``forward`` / ``backward`` / ``step`` are errors, as in DeepSpeed.
+
+One batch, on every rank:
+
+1. the first stage reads the inputs and the last stage the labels of every micro-batch from the
+   data iterator (the others read nothing), joined into one batch the schedule splits again;
+2. the torch schedule (:mod:`partita.pipe.schedule`) runs forwards and backwards; gradients
+   accumulate in ``param.grad`` (the ZeRO reducer's hooks are not armed), already divided by
+   the number of micro-batches;
+3. tied parameters' gradients are summed over their owner stages, then the ZeRO reducer averages
+   every gradient over this stage's ZeRO group (data x sequence) once, into the fp32 partitions
+   (ZeRO-1: reduce-scatter), exactly what gradient accumulation does for the plain Engine;
+4. the ZeRO optimizer steps; its global gradient norm is summed over the pipe axis too (each tied
+   parameter counted once), so clipping and fp16 overflow skipping agree on every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partita.distributed import collectives
+from partita.engine import Engine
+from partita.pipe.module import PipelineModule
+from partita.pipe.schedule import ScaledLoss, build_schedule, build_stages, check_micro_batches
+from partita.tensor_containers import map_tensors
+
+logger = logging.getLogger("partita")
+
+__all__ = ["PipelineEngine", "PipelineError"]
+
+
+class PipelineError(RuntimeError):
+    """A DeepSpeedEngine call that a pipeline engine does not offer (DeepSpeed's ``PipelineError``)."""
+
+
+class PipelineEngine(Engine):
+    """Trains a PipelineModule with ``train_batch``; the plain Engine's counters and queries stay."""
+
+    def __init__(self, *, module: PipelineModule, **kwargs: Any) -> None:
+        super().__init__(module=module, **kwargs)
+        topology, config = self.topology, self.config
+        pipeline = config.pipeline
+        if topology.pipe_rank != module.stage_id or topology.pipe_size != module.num_stages:
+            raise RuntimeError(  # the module and the mesh derive stages from the same rank order
+                f"rank {topology.rank}: the PipelineModule built stage {module.stage_id} of {module.num_stages} but the "
+                f"topology puts this rank at pipe {topology.pipe_rank} of {topology.pipe_size}"
+            )
+        self.micro_batches = self._batch.gradient_accumulation_steps
+        self.schedule_name = pipeline.schedule
+        check_micro_batches(self.schedule_name, self.micro_batches, module.num_stages, module.virtual_stages)
+        if pipeline.activation_checkpoint_interval > 0:
+            module.activation_checkpoint_interval = pipeline.activation_checkpoint_interval  # DeepSpeed's override
+        module.checkpoint_use_reentrant = bool(pipeline.use_reentrant)
+        if module.loss_fn is None:
+            raise ValueError("the PipelineModule has no loss_fn: build it with PipelineModule(..., loss_fn=...)")
+        self.num_stages = module.num_stages
+        self.stage_id = module.stage_id
+        self._stages = build_stages(module, device=self.device, group=topology.pipe_group)
+        self._loss = ScaledLoss(module.loss_fn, self.micro_batches)
+        self._train_schedule = build_schedule(self.schedule_name, self._stages, self.micro_batches, self._loss)
+        self._last_stage_rank = dist.get_global_rank(topology.pipe_group, topology.pipe_size - 1)
+        if topology.pipe_size > 1:
+            self.optimizer.count_norm_across(topology.pipe_group, uncounted_params=module.uncounted_in_norm())
+        self._data_iterator: Iterator | None = (
+            _repeat(self.training_dataloader) if self.training_dataloader is not None else None
+        )
+        if topology.rank == 0:
+            for row in module.partition_summary():
+                logger.info("pipeline stage %d: layers %d-%d (%s), %d parameters", row["stage"], row["layers"][0],
+                            row["layers"][1] - 1, ", ".join(str(n) for n in row["names"]), row["parameters"])
+
+    # ------------------------------------------------------------------ DeepSpeed's queries
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """The iterator ``train_batch()`` reads when called without one (first and last stages)."""
+        self._data_iterator = iterator
+
+    def is_pipe_parallel(self) -> bool:
+        return self.num_stages > 1
+
+    # ------------------------------------------------------------------ the batch
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One batch: ``gradient_accumulation_steps`` micro-batches through the schedule, then the
+        optimizer step. Returns the batch's mean loss (over micro-batches and data ranks), the same
+        value on every stage."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() needs gradients enabled (it was called under torch.no_grad()); "
+                               "use eval_batch() to evaluate")
+        self.module.train()
+        args, target = self._read_batch(data_iter, "train_batch")
+        self._loss.losses.clear()
+        self._loss.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self._run(self._train_schedule, args, target)
+        self._reduce_gradients()
+        # The last micro_batches calls are the batch's: torch 2.13 also calls the loss once while it
+        # infers the backward metadata at a schedule's first step (its gradients go nowhere).
+        loss = self._mean_loss(self._loss.losses[-self.micro_batches:], reduce_output="avg")
+        self._optimizer_step()
+        return loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg") -> Any:
+        """Forward only over ``gradient_accumulation_steps`` micro-batches.
+
+        Returns the loss (``reduce_output="avg"``: the mean over micro-batches and data ranks; None:
+        a tensor of each micro-batch's loss, averaged over data ranks), the same on every stage;
+        with ``return_logits`` a pair ``(loss, outputs)``, the outputs on the last stage only
+        (None elsewhere). ``compute_loss=False``: the last stage's outputs instead of the loss.
+        """
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            args, target = self._read_batch(data_iter, "eval_batch")
+            self._loss.losses.clear()
+            with torch.no_grad():
+                outputs = self._run(self._train_schedule, args, target, forward_only=True)
+            losses = self._loss.losses[-self.micro_batches:] if self.is_last_stage() else []
+            loss = self._mean_loss(losses, reduce_output=reduce_output) if compute_loss else outputs
+        finally:
+            self.module.train(was_training)
+        if return_logits:
+            return loss, outputs if self.is_last_stage() else None
+        return loss
+
+    # ------------------------------------------------------------------ pieces of a batch
+    def _read_batch(self, data_iter: Iterator | None, caller: str) -> tuple[tuple, torch.Tensor | None]:
+        """The first stage's inputs and the last stage's labels of every micro-batch, each joined
+        along dim 0 (the schedule cuts them back into the same micro-batches)."""
+        first, last = self.is_first_stage(), self.is_last_stage()
+        if not (first or last):
+            return (), None
+        iterator = data_iter if data_iter is not None else self._data_iterator
+        if iterator is None:
+            raise ValueError(f"{caller}() got no data iterator: pass one, call engine.set_dataiterator(it), or give "
+                             "initialize(training_data=...)")
+        inputs, labels = [], []
+        for k in range(self.micro_batches):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                raise RuntimeError(
+                    f"{caller}(): the data iterator ran out after {k} of {self.micro_batches} micro-batches "
+                    "(gradient_accumulation_steps); give a longer or repeating iterator"
+                ) from None
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"{caller}(): each item of the data iterator must be (inputs, labels), got "
+                                 f"{type(item).__name__}")
+            inputs.append(item[0] if isinstance(item[0], tuple) else (item[0],))
+            labels.append(item[1])
+        sizes = {int(x[0].shape[0]) for x in inputs}
+        if len(sizes) != 1:
+            raise ValueError(f"{caller}(): micro-batches of different sizes {sorted(sizes)}; every micro-batch must "
+                             "hold train_micro_batch_size_per_gpu samples")
+        args: tuple = ()
+        if first:
+            args = tuple(torch.cat([x[i] for x in inputs]).to(self.device) for i in range(len(inputs[0])))
+            if self.compute_dtype != torch.float32:
+                args = map_tensors(args, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+        target = None
+        if last:
+            if not all(isinstance(y, torch.Tensor) for y in labels):
+                raise NotImplementedError(f"{caller}(): labels must be one tensor per micro-batch (tuples of labels "
+                                          "are not implemented for pipelines yet)")
+            target = torch.cat(labels).to(self.device)
+        return args, target
+
+    def _run(self, schedule: Any, args: tuple, target: torch.Tensor | None, *, forward_only: bool = False) -> Any:
+        kwargs: dict[str, Any] = {}
+        if self.is_last_stage() and target is not None:
+            kwargs = {"target": target, "losses": []}
+        if not forward_only:
+            return schedule.step(*args, **kwargs)
+        if hasattr(schedule, "eval"):  # torch 2.13: forward only, the loss still computed per micro-batch
+            return schedule.eval(*args, **kwargs)
+        # torch 2.11 lacks Schedule.eval; this is what 2.13's eval does (the stage follows the flag).
+        schedule._has_backward = False
+        try:
+            return schedule.step(*args, **kwargs)
+        finally:
+            schedule._has_backward = True
+
+    def _reduce_gradients(self) -> None:
+        """Tied gradients summed over their owner stages, then one ZeRO reduction for the batch."""
+        reducer = self.zero.reducer
+        reducer.begin_backward(reduce=True)
+        for tied in self.module.tied_groups():
+            if tied.group is None:
+                continue
+            for param in tied.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                collectives.all_reduce(param.grad, group=tied.group, purpose=f"tied-layer {tied.key!r} gradient sum")
+        reducer.finish_backward()
+
+    def _mean_loss(self, losses: list[torch.Tensor], *, reduce_output: str | None) -> torch.Tensor:
+        """On the last stage: the mean (or each) micro-batch loss averaged over data ranks;
+        broadcast from there to every stage."""
+        shape = () if reduce_output == "avg" else (self.micro_batches,)
+        if self.is_last_stage():
+            stacked = torch.stack(losses)
+            value = stacked.mean() if reduce_output == "avg" else stacked
+            value = value.to(self.device)
+            if self.topology.data_size > 1:
+                collectives.all_reduce(value, group=self.topology.data_group, purpose="pipeline loss mean over data ranks")
+                value /= self.topology.data_size
+        else:
+            value = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        if self.num_stages > 1:
+            collectives.broadcast(value, src=self._last_stage_rank, group=self.topology.pipe_group,
+                                  purpose="pipeline loss broadcast from the last stage")
+        return value
+
+    def _optimizer_step(self) -> None:
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        after = self.lr_scheduler.step if self.lr_scheduler is not None else None
+        result = self.optimizer.step(loss_scale=scale, received=self.zero.reducer.take_received(), after=after)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not result.applied)
+        self._global_grad_norm = result.grad_norm
+        self._step_applied = result.applied
+        if not result.applied:
+            self.skipped_steps += 1
+            if self.topology.rank == 0:
+                logger.warning("step %d skipped: the gradient norm is %s (inf/nan in the gradients of some stage)",
+                               self.global_steps + 1, result.grad_norm)
+        self.micro_steps += self.micro_batches
+        self.global_steps += 1
+        self.global_samples += self._batch.train_batch_size
+
+    # ------------------------------------------------------------------ what a pipeline engine refuses
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) (or eval_batch), "
+                            "not engine(batch) / engine.forward")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("a pipeline engine runs backward inside engine.train_batch(data_iter); "
+                            "engine.backward() is not available in pipeline mode")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError("a pipeline engine steps inside engine.train_batch(data_iter); "
+                            "engine.step() is not available in pipeline mode")
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
+        raise NotImplementedError("checkpoints of a pipeline engine (layer-keyed) are not implemented yet")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("checkpoints of a pipeline engine (layer-keyed) are not implemented yet")
+
+    def save_16bit_model(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("save_16bit_model of a pipeline engine is not implemented yet (each stage holds "
+                                  "only its layers)")
+
+    def get_fp32_state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        raise NotImplementedError("get_fp32_state_dict of a pipeline engine is not implemented yet (each stage holds "
+                                  "only its layers)")
+
+
+def _repeat(loader) -> Iterator:
+    """DeepSpeed's RepeatingLoader: restart the loader (a new epoch) when it runs out."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1

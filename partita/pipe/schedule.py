@@ -1,0 +1,106 @@
+"""The pipeline schedules: torch.distributed.pipelining's, built the same way on torch 2.11-2.13.
+
+Why these and how they are wired (shared/reference/model_parallel.md §1.3, §7):
+
+- ``PipelineStage``'s ``group`` moved from the 5th to the 7th position in 2.12 (``output_grads``
+  and ``input_grads`` were inserted before it), so everything past ``device`` is passed by keyword.
+  Shapes are inferred from the first micro-batch (no example tensors), which both versions do.
+- ``scale_grads=False``: torch would divide gradients by the number of micro-batches, right only
+  for a mean loss and easy to double. Instead the loss function handed to the schedule returns
+  ``loss / micro_batches * loss_scale`` (:class:`ScaledLoss`), so the schedule's gradients are
+  exactly gradient accumulation's; the data-parallel mean is the ZeRO reducer's.
+- Gradient reduction runs once after the schedule (see :mod:`partita.pipe.engine`), not from
+  autograd hooks, so the zero-bubble schedule (whose weight gradients bypass those hooks,
+  pt#144530) reduces correctly too.
+- Interleaved schedules map stage ``i`` to pipe rank ``i % p`` (loop), the mapping
+  :class:`partita.pipe.PipelineModule` builds its chunks in.
+- Evaluation runs the training schedule forward only (``Schedule.eval`` on 2.13; on 2.11, which
+  lacks it, the same flag it sets), so the stages' buffers are re-inferred on one schedule object
+  when the mode switches, as torch expects.
+- torch 2.13 calls the loss function once more while it infers the backward metadata at a
+  schedule's first step; only the last ``micro_batches`` recorded losses are the batch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from partita.config.base import ConfigError
+from partita.pipe.module import PipelineModule
+
+__all__ = ["ScaledLoss", "build_stages", "build_schedule", "check_micro_batches"]
+
+_MULTI = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
+_SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class ScaledLoss:
+    """The loss function the schedule calls per micro-batch on the last stage.
+
+    Returns ``loss_fn(output, target) * loss_scale / micro_batches`` for backward and keeps each
+    micro-batch's unscaled loss (detached, fp32) for ``train_batch``'s return value.
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int) -> None:
+        self.loss_fn = loss_fn
+        self.micro_batches = micro_batches
+        self.loss_scale = 1.0
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"the PipelineModule's loss_fn must return a scalar tensor, got {shape}; reduce it with .mean()")
+        self.losses.append(loss.detach().float().reshape(()))
+        return loss.float() * (self.loss_scale / self.micro_batches)
+
+
+def check_micro_batches(schedule: str, micro_batches: int, num_stages: int, virtual_stages: int) -> None:
+    """The schedules' own constraints, raised as ConfigErrors naming the config keys."""
+    if schedule in _SINGLE and virtual_stages != 1:
+        raise ConfigError(
+            f"pipeline.schedule={schedule!r} runs one model chunk per rank, but the PipelineModule has "
+            f"virtual_stages={virtual_stages}: use \"interleaved_1f1b\" or \"zero_bubble\", or build it with virtual_stages=1"
+        )
+    if schedule in _MULTI and virtual_stages < 2:
+        raise ConfigError(
+            f"pipeline.schedule={schedule!r} needs at least 2 model chunks per rank: build the PipelineModule "
+            "with virtual_stages=2 (or more), or use schedule \"1f1b\""
+        )
+    if schedule == "1f1b" and micro_batches < num_stages:
+        raise ConfigError(
+            f"pipeline.schedule=\"1f1b\" needs at least as many micro-batches (gradient_accumulation_steps="
+            f"{micro_batches}) as stages ({num_stages}): raise gradient_accumulation_steps or use \"gpipe\""
+        )
+    if schedule in _MULTI:
+        rounds = max(1, micro_batches // num_stages)
+        if micro_batches % rounds != 0:
+            raise ConfigError(
+                f"pipeline.schedule={schedule!r}: gradient_accumulation_steps={micro_batches} must be a multiple of "
+                f"its rounds max(1, {micro_batches} // {num_stages} stages) = {rounds}; use a multiple of {num_stages}"
+            )
+
+
+def build_stages(module: PipelineModule, *, device: torch.device, group: dist.ProcessGroup) -> list[PipelineStage]:
+    """One PipelineStage per model chunk this rank holds."""
+    total = module.num_stages * module.virtual_stages
+    return [PipelineStage(chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
+
+
+def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: ScaledLoss):
+    """The torch schedule ``name`` (a key of config ``pipeline.schedule``) over this rank's ``stages``."""
+    if name in _SINGLE:
+        return _SINGLE[name](stages[0], micro_batches, loss_fn=loss, scale_grads=False)
+    return _MULTI[name](stages, micro_batches, loss_fn=loss, scale_grads=False)
