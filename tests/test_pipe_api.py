@@ -1,0 +1,188 @@
+"""partita.pipe's API around the parity tests: DeepSpeed's partitioning on known layer lists, the
+``pipeline`` config section, eval_batch, and every refusal (type and message)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from partita.config import load_config
+from partita.config.base import ConfigError
+from partita.pipe.partition import partition_balanced, partition_by_method, partition_uniform
+from tests.harness import run_distributed
+from tests.test_pipe_parity import BASE_SEED, MICRO, global_batches, layer_specs, lm_head, lm_loss
+
+# The parity model's layers: Embedding(11, 8), four Blocks (8x8 Linear), LayerNorm(8), the tied head.
+NAMES = ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Embedding"]
+COUNTS = [88, 72, 72, 72, 72, 16, 88]
+
+
+def test_uniform_puts_the_extra_layers_first() -> None:
+    assert partition_uniform(7, 2) == [0, 4, 7]
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert partition_uniform(8, 4) == [0, 2, 4, 6, 8]
+    assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]  # fewer layers than stages: empty last stages
+
+
+def test_parameters_balances_the_parameter_count() -> None:
+    # Prefix sums 88, 160, 232, 304, ...: a cut after layer 2 gives 232 | 248, the smallest spread.
+    assert partition_by_method("parameters", num_parts=2, param_counts=COUNTS, type_names=NAMES) == [0, 3, 7]
+    assert partition_balanced([10, 10, 10, 10, 40], 2) == [0, 4, 5]
+
+
+def test_balanced_is_the_minimum_spread_partition() -> None:
+    weights = [1, 2, 3, 4, 5, 6, 7]
+    spreads = {}
+    for cuts in itertools.combinations(range(1, len(weights)), 2):
+        bounds = [0, *cuts, len(weights)]
+        sums = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        spreads[tuple(bounds)] = max(sums) - min(sums)
+    best = min(spreads.values())
+    optimal = [b for b, s in spreads.items() if s == best]
+    assert len(optimal) == 1  # a unique optimum: no tie rule involved
+    assert partition_balanced(weights, 3) == list(optimal[0])
+
+
+def test_type_regex_balances_matching_layers_case_insensitively() -> None:
+    assert partition_by_method("type:block", num_parts=2, param_counts=COUNTS, type_names=NAMES) == [0, 3, 7]
+    assert partition_by_method("type:^(Block|LayerNorm)$", num_parts=5, param_counts=COUNTS,
+                               type_names=NAMES) == [0, 2, 3, 4, 5, 7]
+    with pytest.raises(ValueError, match=r"partition_method 'type:Attention' matches no layer; the layers' class "
+                                         r"names are \['Embedding', 'Block'"):
+        partition_by_method("type:Attention", num_parts=2, param_counts=COUNTS, type_names=NAMES)
+    with pytest.raises(NotImplementedError, match="partition_method='profile' is not implemented"):
+        partition_by_method("profile", num_parts=2, param_counts=COUNTS, type_names=NAMES)
+    with pytest.raises(ValueError, match="partition_method='size' is not one of"):
+        partition_by_method("size", num_parts=2, param_counts=COUNTS, type_names=NAMES)
+
+
+def _base() -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def test_pipeline_section_keys_and_refusals() -> None:
+    from partita.pipe.setup import pipe_size_for
+
+    cfg = load_config({**_base(), "pipeline": {"stages": 2, "partition": "uniform", "seed_layers": True,
+                                                "activation_checkpoint_interval": 1, "pipe_partitioned": True,
+                                                "grad_partitioned": False, "schedule": "zero_bubble",
+                                                "virtual_stages": 2}})
+    assert (cfg.pipeline.stages, cfg.pipeline.schedule, cfg.pipeline.virtual_stages) == (2, "zero_bubble", 2)
+    assert load_config(_base()).pipeline.schedule == "1f1b"
+    with pytest.raises(ConfigError, match="pipeline.schedule"):
+        load_config({**_base(), "pipeline": {"schedule": "dualpipe"}})
+    with pytest.raises(ConfigError, match="pipeline.microbatches"):
+        load_config({**_base(), "pipeline": {"microbatches": 4}})
+    with pytest.raises(ConfigError, match=r"pipeline.stages=2 needs a partita.pipe.PipelineModule model \(got Linear\)"):
+        pipe_size_for(cfg, nn.Linear(2, 2))
+    assert pipe_size_for(load_config(_base()), nn.Linear(2, 2)) == 1
+
+
+def _config(gas: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 1000, **extra}
+
+
+def _error(call) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test compares type and message
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def api_body() -> dict:
+    import partita
+    from partita.pipe import LayerSpec, PipelineModule
+
+    partita.init_distributed()
+    out: dict = {}
+
+    def module(**kw):
+        return PipelineModule(layer_specs(), num_stages=2, loss_fn=lm_loss, partition_method="uniform",
+                              seed_layers=True, base_seed=BASE_SEED, **kw)
+
+    out["not_dividing"] = _error(lambda: PipelineModule(layer_specs(), num_stages=3, loss_fn=lm_loss))
+    out["empty_stage"] = _error(lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)] * 3, num_stages=2, loss_fn=lm_loss,
+                                                       partition_method="uniform", virtual_stages=2))
+    out["1f1b_few"] = _error(lambda: partita.initialize(model=module(), config=_config(1)))
+    out["zero2"] = _error(lambda: partita.initialize(model=module(), config=_config(2, zero_optimization={"stage": 2})))
+    out["stages_mismatch"] = _error(lambda: partita.initialize(model=module(), config=_config(2, pipeline={"stages": 1})))
+    out["interleaved_v1"] = _error(lambda: partita.initialize(
+        model=module(), config=_config(2, pipeline={"schedule": "interleaved_1f1b"})))
+
+    engine, *_ = partita.initialize(model=module(), config=_config(2))
+    out["forward"] = _error(lambda: engine(torch.zeros(1)))
+    out["backward"] = _error(lambda: engine.backward(torch.zeros(())))
+    out["step"] = _error(lambda: engine.step())
+    out["save"] = _error(lambda: engine.save_checkpoint("/tmp/x"))
+    xs, ys = global_batches(2, 1)
+    micro = [(xs[0][k * MICRO:(k + 1) * MICRO], ys[0][k * MICRO:(k + 1) * MICRO]) for k in range(2)]
+    out["ran_out"] = _error(lambda: engine.train_batch(iter(micro[:1])))
+    out["no_iterator"] = _error(lambda: engine.train_batch())
+    out["eval"] = engine.eval_batch(iter(micro)).item()
+    out["eval_each"] = engine.eval_batch(iter(micro), reduce_output=None).tolist()
+    engine.set_dataiterator(iter(micro))
+    out["train"] = engine.train_batch().item()  # train after eval: the schedule re-infers its buffers
+    loss, logits = engine.eval_batch(iter(micro), return_logits=True)
+    out["eval_after"] = loss.item()
+    out["logits"] = None if logits is None else tuple(logits.shape)
+    out["first_last"] = (engine.is_first_stage(), engine.is_last_stage())
+    return out
+
+
+def _reference_losses() -> tuple[float, list[float]]:
+    """The parity model's loss on global batch 0 (and per micro-batch) at its initial weights."""
+    from partita.pipe import TiedLayerSpec
+
+    built = {}
+    for i, spec in enumerate(layer_specs()):
+        key = spec.key if isinstance(spec, TiedLayerSpec) else i
+        if key not in built:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(BASE_SEED + i)
+                built[key] = spec.build()
+    xs, ys = global_batches(2, 1)
+    with torch.no_grad():
+        h = built["embed"](xs[0])
+        for i in range(1, 6):
+            h = built[i](h)
+        logits = lm_head(built["embed"], h)
+        each = [lm_loss(logits[k * MICRO:(k + 1) * MICRO], ys[0][k * MICRO:(k + 1) * MICRO]).item() for k in range(2)]
+    return lm_loss(logits, ys[0]).item(), each
+
+
+def test_engine_api_and_errors_on_two_stages() -> None:
+    results = run_distributed(api_body, 2)
+    whole, each = _reference_losses()
+    for rank, out in enumerate(results):
+        assert out["not_dividing"] == ("ValueError", "num_stages=3 does not divide the world size 2: launch a multiple "
+                                                     "of 3 processes or choose a divisor of 2")
+        assert out["empty_stage"][0] == "ValueError"
+        assert "leaves a stage without layers: 3 layers into 4 stages gives layer counts [1, 1, 1, 0]" in out["empty_stage"][1]
+        assert out["1f1b_few"][0] == "ConfigError"
+        assert ("pipeline.schedule=\"1f1b\" needs at least as many micro-batches (gradient_accumulation_steps=1) "
+                "as stages (2)") in out["1f1b_few"][1]
+        assert out["zero2"][0] == "NotImplementedError"
+        assert "zero_optimization.stage=2 with pipeline parallelism is not implemented yet" in out["zero2"][1]
+        assert out["stages_mismatch"][0] == "ConfigError"
+        assert "pipeline.stages=1 disagrees with the PipelineModule's num_stages=2" in out["stages_mismatch"][1]
+        assert out["interleaved_v1"][0] == "ConfigError"
+        assert "needs at least 2 model chunks per rank" in out["interleaved_v1"][1]
+        for call in ("forward", "backward", "step"):
+            assert out[call][0] == "PipelineError", call
+            assert "train_batch(data_iter)" in out[call][1]
+        assert out["save"][0] == "NotImplementedError"
+        assert out["ran_out"] == ("RuntimeError", "train_batch(): the data iterator ran out after 1 of 2 micro-batches "
+                                                  "(gradient_accumulation_steps); give a longer or repeating iterator")
+        assert out["no_iterator"][0] == "ValueError" and "got no data iterator" in out["no_iterator"][1]
+        # The same loss on both stages: the reference's at the initial weights, before and after the switch.
+        assert out["eval"] == pytest.approx(whole, rel=1e-5)
+        assert out["eval_each"] == pytest.approx(each, rel=1e-5)
+        assert out["train"] == pytest.approx(whole, rel=1e-5)
+        assert out["eval_after"] < out["train"]  # one SGD step on this very batch lowered its loss
+        assert out["first_last"] == (rank == 0, rank == 1)
+        assert out["logits"] == ((4, 5, 11) if rank == 1 else None)
