@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import os
 import sys
 import time
 
@@ -183,13 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    # No barrier or os._exit needed at the end: partita's exit path (partita.distributed.shutdown)
+    # tears the process groups down before the interpreter finalizes.
     main(sys.argv[1:])
-    if dist.is_initialized():
-        dist.barrier()  # every rank is done: nothing is left to communicate
-    # torch 2.13's ProcessGroupGloo sometimes aborts while being destroyed ("terminate called
-    # without an active exception", SIGABRT) after all the work is done, failing a finished run.
-    # Everything worth keeping is written and engine.destroy() has released partita's resources,
-    # so leave without running destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
