@@ -114,6 +114,12 @@ ENGINE: dict[str, str] = {
 }
 
 
+def _has_pipe() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("partita.pipe") is not None
+
+
 def missing_top_level(name: str) -> NoReturn | None:
     """Raise for a DeepSpeed top-level name partita lacks; return None for any other name."""
     message = TOP_LEVEL.get(name)
@@ -124,6 +130,12 @@ def missing_top_level(name: str) -> NoReturn | None:
 
 def missing_engine_attribute(name: str) -> NoReturn | None:
     """Raise for a DeepSpeedEngine attribute partita's Engine lacks; return None for any other name."""
+    if name in ("train_batch", "eval_batch") and _has_pipe():
+        raise MissingDeepSpeedFeature(
+            f"engine.{name}() belongs to the pipeline engine: build the model as partita.pipe.PipelineModule "
+            "(DeepSpeed's deepspeed.pipe.PipelineModule) and initialize() returns a PipelineEngine that has it; this "
+            "engine trains with loss = engine(batch); engine.backward(loss); engine.step()"
+        )
     message = ENGINE.get(name)
     if message is not None:
         raise MissingDeepSpeedFeature(message)

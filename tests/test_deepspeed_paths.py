@@ -90,27 +90,40 @@ def test_bare_import_reaches_every_subpackage_and_deepspeeds_dotted_paths(tmp_pa
     assert out["started"] == [True, 0, 1, "gloo"]
 
 
-def test_a_subpackage_added_later_becomes_an_attribute_and_feeds_top_level_aliases(tmp_path) -> None:
-    # partita.pipe does not exist yet: a package placed on partita's path must be found by the same
-    # mechanism, and deepspeed.PipelineModule must then come from it instead of the missing-feature error.
-    (tmp_path / "pipe").mkdir()
-    (tmp_path / "pipe" / "__init__.py").write_text("class PipelineModule:\n    pass\n")
+def test_a_subpackage_added_later_becomes_an_attribute(tmp_path) -> None:
+    # A package placed on partita's path (as moe, sequence, pipe were added) is found by the same
+    # mechanism, with no list of names to update.
+    (tmp_path / "future_axis").mkdir()
+    (tmp_path / "future_axis" / "__init__.py").write_text("VALUE = 42\n")
     out = _fresh_python(
         f"""
         import json
         import partita
         try:
-            partita.PipelineModule
+            partita.future_axis
             before = "no error"
-        except NotImplementedError as error:
+        except AttributeError as error:
             before = str(error)
         partita.__path__.append({str(tmp_path)!r})
-        print(json.dumps({{"before": before, "pipe": partita.pipe.__name__,
-                           "alias": partita.PipelineModule.__module__, "in_dir": "pipe" in dir(partita)}}))
+        print(json.dumps({{"before": before, "name": partita.future_axis.__name__, "value": partita.future_axis.VALUE,
+                           "in_dir": "future_axis" in dir(partita)}}))
         """
     )
-    assert out["before"].startswith("deepspeed.PipelineModule: pipeline parallelism")
-    assert out == {**out, "pipe": "partita.pipe", "alias": "partita.pipe", "in_dir": True}
+    assert out == {"before": "module 'partita' has no attribute 'future_axis'", "name": "partita.future_axis",
+                   "value": 42, "in_dir": True}
+
+
+def test_top_level_pipeline_names_follow_partita_pipe() -> None:
+    import importlib.util
+
+    import partita
+
+    if importlib.util.find_spec("partita.pipe") is not None:
+        assert partita.PipelineModule is partita.pipe.PipelineModule
+        assert partita.PipelineEngine is partita.pipe.PipelineEngine
+    else:
+        with pytest.raises(NotImplementedError, match=r"^deepspeed\.PipelineModule: pipeline parallelism"):
+            partita.PipelineModule
 
 
 # ---------------------------------------------------------------------------- deliberately missing
