@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 
-import torch
 
 from partita.utils.logging import logger
 
