@@ -46,8 +46,11 @@ def owner_layer(param: torch.Tensor) -> MoE | None:
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
-    """True for a parameter of an MoE layer's routed experts (DeepSpeed's ``is_moe_param``)."""
-    return param in _OWNER
+    """True for a parameter of an MoE layer's routed experts (DeepSpeed's ``is_moe_param``);
+    False for a row-sharded embedding table, which shares only the expert-parallel machinery."""
+    from partita.moe.layer import MoE
+
+    return isinstance(_OWNER.get(param), MoE)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -90,13 +93,18 @@ def bind_experts(model: nn.Module, topology: Topology) -> dict[nn.Parameter, Sha
     structure. Raises ValueError naming the layer when its ep_size does not divide the
     data-parallel size (data x sequence).
     """
+    from partita.moe.embedding import ShardedEmbedding
+    from partita.moe.layer import MoE
+
     comms: dict[nn.Parameter, ShardComm] = {}
     by_size: dict[int, ShardComm] = {}
-    for name, layer in moe_layers(model):
+    sharded = [(n, m) for n, m in model.named_modules() if isinstance(m, (MoE, ShardedEmbedding))]
+    for name, layer in sharded:
         try:
             groups = topology.expert_groups(layer.ep_size)
         except ValueError as error:
-            raise ValueError(f"MoE layer {name!r} (num_experts={layer.num_experts}): {error}") from None
+            kind = "MoE layer" if isinstance(layer, MoE) else "ShardedEmbedding"
+            raise ValueError(f"{kind} {name!r} (num_experts={layer.num_experts}): {error}") from None
         layer.bind(groups)
         comm = by_size.get(layer.ep_size)
         if comm is None:  # one ShardComm object per ep_size: ZeRO buckets its parameters together

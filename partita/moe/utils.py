@@ -41,7 +41,7 @@ def split_params_into_different_moe_groups_for_optimizer(
         by_name: dict[str, list[nn.Parameter]] = {}
         for param in params:
             layer = owner_layer(param)
-            if layer is not None:
+            if is_moe_param(param):
                 by_name.setdefault(f"ep_size_{layer.ep_size}", []).append(param)
         for name, expert_params in by_name.items():
             for chunk in _cut(expert_params, max_group_size):
