@@ -81,11 +81,16 @@ def reference(micro_batches: int, data: int) -> dict:
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         losses.append(loss.item())
+    with torch.no_grad():  # what eval_batch on global batch 0 must give after training
+        h = embed(xs[0])
+        for block in blocks:
+            h = block(h)
+        eval_loss = lm_loss(lm_head(embed, h), ys[0]).item()
     state = {"tied_modules.embed.weight": embed.weight.detach().clone()}
     for i, block in enumerate(blocks, start=1):
         for name, value in block.state_dict().items():
             state[f"{i}.{name}"] = value.clone()
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "eval": eval_loss}
 
 
 def _config(micro_batches: int, schedule: str, stage: int) -> dict:
@@ -121,20 +126,24 @@ def train_pipeline(runs: list[dict]) -> list[dict]:
             micro = [(xs[step][(data_rank * m + k) * MICRO:][:MICRO], ys[step][(data_rank * m + k) * MICRO:][:MICRO])
                      for k in range(m)]
             losses.append(engine.train_batch(iter(micro)).item())
-        out.append({"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            if step == 0:
+                first = micro
+        eval_loss = engine.eval_batch(iter(first)).item()
+        out.append({"losses": losses, "eval": eval_loss, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "first": engine.is_first_stage(), "last": engine.is_last_stage(), "rank": dist.get_rank(),
                     "parts": list(model.parts)})
     return out
 
 
-def _check(results: list[list[dict]], runs: list[dict], data: int) -> None:
+def _check(results: list[list[dict]], runs: list[dict]) -> None:
     for r, run in enumerate(runs):
-        expected = reference(run["micro_batches"], data)
+        expected = reference(run["micro_batches"], len(results) // run["stages"])
         merged: dict[str, torch.Tensor] = {}
         for rank_results in results:
             got = rank_results[r]
             # The loss of the batch, the same on every stage and data rank.
             assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5), (run, got["rank"])
+            assert got["eval"] == pytest.approx(expected["eval"], rel=1e-5), (run, got["rank"])
             for key, value in got["state"].items():
                 if key in merged:  # a tied weight on two stages, or a data-parallel replica: identical
                     torch.testing.assert_close(value, merged[key], rtol=0, atol=0)
@@ -156,14 +165,17 @@ def test_pipe_2_every_schedule_matches_torch() -> None:
     assert [(r[0]["first"], r[0]["last"]) for r in results] == [(True, False), (False, True)]
     assert results[0][0]["parts"] == [0, 4, 7]  # uniform: 7 layers, the extra one on stage 0
     assert results[0][2]["parts"] == [0, 2, 4, 6, 7]  # 2 stages x 2 chunks: rank 0 holds parts 0 and 2
-    _check(results, runs, data=1)
+    _check(results, runs)
 
 
-def test_pipe_2_by_data_2_matches_torch() -> None:
+def test_pipe_2_by_data_2_and_pipe_4_match_torch() -> None:
     runs = [
         {"stages": 2, "micro_batches": 2, "schedule": "1f1b", "zero_stage": 1},
         {"stages": 2, "micro_batches": 2, "schedule": "gpipe", "zero_stage": 0},
+        # pipe 4 (world 4): the tie spans stages 0 and 3, two middle stages in between.
+        {"stages": 4, "micro_batches": 4, "schedule": "1f1b", "zero_stage": 0},
     ]
     results = run_distributed(train_pipeline, 4, runs)
     assert [r[0]["first"] for r in results] == [True, True, False, False]  # pipe is the outermost axis
-    _check(results, runs, data=2)
+    assert [(r[2]["first"], r[2]["last"]) for r in results] == [(True, False), (False, False), (False, False), (False, True)]
+    _check(results, runs)

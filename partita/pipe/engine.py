@@ -67,6 +67,7 @@ class PipelineEngine(Engine):
         self._stages = build_stages(module, device=self.device, group=topology.pipe_group)
         self._loss = ScaledLoss(module.loss_fn, self.micro_batches)
         self._train_schedule = build_schedule(self.schedule_name, self._stages, self.micro_batches, self._loss)
+        self._eval: Any = None  # built at the first eval_batch
         self._last_stage_rank = dist.get_global_rank(topology.pipe_group, topology.pipe_size - 1)
         if topology.pipe_size > 1:
             self.optimizer.count_norm_across(topology.pipe_group, uncounted_params=module.uncounted_in_norm())
@@ -127,10 +128,12 @@ class PipelineEngine(Engine):
         self.module.eval()
         try:
             args, target = self._read_batch(data_iter, "eval_batch")
-            self._loss.losses.clear()
             with torch.no_grad():
-                outputs = self._run(self._train_schedule, args, target, forward_only=True)
-            losses = self._loss.losses[-self.micro_batches:] if self.is_last_stage() else []
+                outputs = self._eval_schedule().step(*args)
+                losses = []
+                if compute_loss and self.is_last_stage():
+                    for out, tgt in zip(_split(outputs, self.micro_batches), torch.tensor_split(target, self.micro_batches)):
+                        losses.append(self.module.loss_fn(out, tgt).detach().float().reshape(()))
             loss = self._mean_loss(losses, reduce_output=reduce_output) if compute_loss else outputs
         finally:
             self.module.train(was_training)
@@ -180,20 +183,20 @@ class PipelineEngine(Engine):
             target = torch.cat(labels).to(self.device)
         return args, target
 
-    def _run(self, schedule: Any, args: tuple, target: torch.Tensor | None, *, forward_only: bool = False) -> Any:
+    def _run(self, schedule: Any, args: tuple, target: torch.Tensor | None) -> Any:
         kwargs: dict[str, Any] = {}
         if self.is_last_stage() and target is not None:
             kwargs = {"target": target, "losses": []}
-        if not forward_only:
-            return schedule.step(*args, **kwargs)
-        if hasattr(schedule, "eval"):  # torch 2.13: forward only, the loss still computed per micro-batch
-            return schedule.eval(*args, **kwargs)
-        # torch 2.11 lacks Schedule.eval; this is what 2.13's eval does (the stage follows the flag).
-        schedule._has_backward = False
-        try:
-            return schedule.step(*args, **kwargs)
-        finally:
-            schedule._has_backward = True
+        return schedule.step(*args, **kwargs)
+
+    def _eval_schedule(self) -> Any:
+        """A forward-only schedule over stage objects of its own: torch 2.11 does not re-infer a
+        stage's receive buffers when one schedule switches between eval and train (2.13 does), so
+        sharing the training stages broke the next train_batch there."""
+        if self._eval is None:
+            stages = build_stages(self.module, device=self.device, group=self.topology.pipe_group)
+            self._eval = build_schedule(self.schedule_name, stages, self.micro_batches, None)
+        return self._eval
 
     def _reduce_gradients(self) -> None:
         """Tied gradients summed over their owner stages, then one ZeRO reduction for the batch."""
@@ -269,6 +272,14 @@ class PipelineEngine(Engine):
     def get_fp32_state_dict(self, *args: Any, **kwargs: Any) -> dict:
         raise NotImplementedError("get_fp32_state_dict of a pipeline engine is not implemented yet (each stage holds "
                                   "only its layers)")
+
+
+def _split(outputs: Any, parts: int) -> list[Any]:
+    """The last stage's merged outputs cut back into micro-batches (torch merges them along dim 0)."""
+    if isinstance(outputs, torch.Tensor):
+        return list(torch.tensor_split(outputs, parts))
+    columns = [torch.tensor_split(t, parts) for t in outputs]
+    return [tuple(c[k] for c in columns) for k in range(parts)]
 
 
 def _repeat(loader) -> Iterator:

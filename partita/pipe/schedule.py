@@ -14,9 +14,9 @@ Why these and how they are wired (shared/reference/model_parallel.md §1.3, §7)
   pt#144530) reduces correctly too.
 - Interleaved schedules map stage ``i`` to pipe rank ``i % p`` (loop), the mapping
   :class:`partita.pipe.PipelineModule` builds its chunks in.
-- Evaluation runs the training schedule forward only (``Schedule.eval`` on 2.13; on 2.11, which
-  lacks it, the same flag it sets), so the stages' buffers are re-inferred on one schedule object
-  when the mode switches, as torch expects.
+- Evaluation runs a schedule without a loss function (forward only, public on both versions:
+  GPipe for one chunk per rank, else the training schedule's class) over stage objects of its own;
+  2.11 does not re-infer shared stages' buffers when the mode switches (2.13 does).
 - torch 2.13 calls the loss function once more while it infers the backward metadata at a
   schedule's first step; only the last ``micro_batches`` recorded losses are the batch's.
 """
@@ -99,8 +99,10 @@ def build_stages(module: PipelineModule, *, device: torch.device, group: dist.Pr
     return [PipelineStage(chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
 
 
-def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: ScaledLoss):
-    """The torch schedule ``name`` (a key of config ``pipeline.schedule``) over this rank's ``stages``."""
+def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: ScaledLoss | None):
+    """The torch schedule ``name`` (a key of config ``pipeline.schedule``) over this rank's ``stages``;
+    ``loss=None``: forward only (GPipe stands in for 1F1B, which is the same without backwards)."""
     if name in _SINGLE:
-        return _SINGLE[name](stages[0], micro_batches, loss_fn=loss, scale_grads=False)
+        cls = _SINGLE[name] if loss is not None else ScheduleGPipe
+        return cls(stages[0], micro_batches, loss_fn=loss, scale_grads=False)
     return _MULTI[name](stages, micro_batches, loss_fn=loss, scale_grads=False)
