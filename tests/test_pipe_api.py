@@ -114,6 +114,15 @@ def api_body() -> dict:
     out["interleaved_v1"] = _error(lambda: partita.initialize(
         model=module(), config=_config(2, pipeline={"schedule": "interleaved_1f1b"})))
 
+    # fp16 with a loss scale that overflows: the norm is reduced over the pipe axis, so every stage
+    # skips the step, halves the scale and keeps its weights.
+    fp16, *_ = partita.initialize(model=module(), config=_config(2, fp16={"enabled": True, "initial_scale_power": 30, "hysteresis": 1}))
+    before = {k: v.clone() for k, v in fp16.module.state_dict().items()}
+    xs16, ys16 = global_batches(2, 1)
+    fp16.train_batch(iter([(xs16[0][k * MICRO:(k + 1) * MICRO], ys16[0][k * MICRO:(k + 1) * MICRO]) for k in range(2)]))
+    out["fp16"] = (fp16.skipped_steps, fp16.was_step_applied(), fp16.get_loss_scale(),
+                   all(torch.equal(v, fp16.module.state_dict()[k]) for k, v in before.items()))
+
     engine, *_ = partita.initialize(model=module(), config=_config(2))
     out["forward"] = _error(lambda: engine(torch.zeros(1)))
     out["backward"] = _error(lambda: engine.backward(torch.zeros(())))
@@ -184,5 +193,6 @@ def test_engine_api_and_errors_on_two_stages() -> None:
         assert out["eval_each"] == pytest.approx(each, rel=1e-5)
         assert out["train"] == pytest.approx(whole, rel=1e-5)
         assert out["eval_after"] < out["train"]  # one SGD step on this very batch lowered its loss
+        assert out["fp16"] == (1, False, 2.0 ** 29, True)
         assert out["first_last"] == (rank == 0, rank == 1)
         assert out["logits"] == ((4, 5, 11) if rank == 1 else None)

@@ -23,11 +23,14 @@ LR, CLIP, BASE_SEED = 1e-2, 0.05, 1234
 
 
 class Block(nn.Module):
+    calls = 0  # forwards run in this process (activation checkpointing runs each one again in backward)
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
         return x + torch.tanh(self.linear(x))
 
 
@@ -93,14 +96,14 @@ def reference(micro_batches: int, data: int) -> dict:
     return {"losses": losses, "state": state, "eval": eval_loss}
 
 
-def _config(micro_batches: int, schedule: str, stage: int) -> dict:
+def _config(micro_batches: int, schedule: str, stage: int, checkpoint_interval: int = 0) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 50},
-        "pipeline": {"schedule": schedule},
+        "pipeline": {"schedule": schedule, "activation_checkpoint_interval": checkpoint_interval},
         "steps_per_print": 1000,
     }
 
@@ -118,7 +121,9 @@ def train_pipeline(runs: list[dict]) -> list[dict]:
         m, stages, virtual = run["micro_batches"], run["stages"], run.get("virtual_stages", 1)
         model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=lm_loss, partition_method="uniform",
                                seed_layers=True, base_seed=BASE_SEED, virtual_stages=virtual)
-        engine, *_ = partita.initialize(model=model, config=_config(m, run["schedule"], run["zero_stage"]))
+        engine, *_ = partita.initialize(model=model, config=_config(m, run["schedule"], run["zero_stage"],
+                                                                    run.get("checkpoint_interval", 0)))
+        calls_before = Block.calls
         data, data_rank = engine.topology.data_size, engine.topology.data_rank
         xs, ys = global_batches(m, data)
         losses = []
@@ -129,7 +134,7 @@ def train_pipeline(runs: list[dict]) -> list[dict]:
             if step == 0:
                 first = micro
         eval_loss = engine.eval_batch(iter(first)).item()
-        out.append({"losses": losses, "eval": eval_loss, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        out.append({"losses": losses, "eval": eval_loss, "block_calls": Block.calls - calls_before, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "first": engine.is_first_stage(), "last": engine.is_last_stage(), "rank": dist.get_rank(),
                     "parts": list(model.parts)})
     return out
@@ -156,6 +161,8 @@ def _check(results: list[list[dict]], runs: list[dict]) -> None:
 def test_pipe_2_every_schedule_matches_torch() -> None:
     runs = [
         {"stages": 2, "micro_batches": 2, "schedule": "gpipe", "zero_stage": 0},
+        # pipeline.activation_checkpoint_interval: runs of 2 layers recomputed in backward.
+        {"stages": 2, "micro_batches": 2, "schedule": "gpipe", "zero_stage": 0, "checkpoint_interval": 2},
         {"stages": 2, "micro_batches": 3, "schedule": "1f1b", "zero_stage": 1},
         {"stages": 2, "micro_batches": 4, "schedule": "interleaved_1f1b", "zero_stage": 0, "virtual_stages": 2},
         # Weight gradients outside autograd's hooks (torch's backward_weight): reduced after the schedule all the same.
@@ -164,7 +171,12 @@ def test_pipe_2_every_schedule_matches_torch() -> None:
     results = run_distributed(train_pipeline, 2, runs)
     assert [(r[0]["first"], r[0]["last"]) for r in results] == [(True, False), (False, True)]
     assert results[0][0]["parts"] == [0, 4, 7]  # uniform: 7 layers, the extra one on stage 0
-    assert results[0][2]["parts"] == [0, 2, 4, 6, 7]  # 2 stages x 2 chunks: rank 0 holds parts 0 and 2
+    assert results[0][3]["parts"] == [0, 2, 4, 6, 7]  # 2 stages x 2 chunks: rank 0 holds parts 0 and 2
+    # Checkpointed: every block forward of the two training steps runs once more in backward (blocks
+    # x micro-batches x steps), plus on torch 2.13 one recompute on stage 1, whose backward-metadata
+    # inference differentiates its input through the checkpoint once.
+    extra = [r[1]["block_calls"] - r[0]["block_calls"] for r in results]
+    assert extra[0] == 3 * 2 * STEPS and 1 * 2 * STEPS <= extra[1] <= 1 * 2 * STEPS + 1, extra
     _check(results, runs)
 
 
