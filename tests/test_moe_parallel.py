@@ -158,10 +158,6 @@ def test_bad_ep_size_errors_name_the_numbers() -> None:
 STAGE0_CLIPPED = [{"ep": 2, "stage": 0, "k": 2, "drop_tokens": False, "clip": 0.3}]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ZeRO-0's global norm (sharded_optimizer._reduce_norm_and_usage) counts replicated gradients on ZeRO rank 0 "
-    "only; with ep_size > 1 the experts of the other expert ranks are then left out of the norm. The per-group "
-    "reduction is right (stage 0 parity without clipping passes above); only the shared norm code is wrong"))
 def test_stage0_clipping_norm_with_expert_parallelism() -> None:
     per_rank = run_distributed(train_ep, 2, STAGE0_CLIPPED)
     _check(per_rank, STAGE0_CLIPPED, 2)

@@ -143,12 +143,16 @@ class ShardedOptimizer:
         device = self.groups[0].params[0].device
         local = torch.zeros((), dtype=torch.float32, device=device)
         for group, uncounted in zip(self.groups, self._uncounted_slices):
-            if group.grad_partition is not None:  # None: nothing reduced into it (all zeros)
-                local += group.grad_norm_sq(device)
-                for part in uncounted:
-                    local -= torch.linalg.vector_norm(group.grad_partition[part], dtype=torch.float32).square().to(device)
-        if self._num_shards == 1 and self._world_size > 1 and dist.get_rank(self._process_group) != 0:
-            local.zero_()  # replicated gradients: count them once, not world_size times
+            if group.grad_partition is None:  # nothing reduced into it (all zeros)
+                continue
+            if group.layout.num_shards == 1 and self._replica_rank(group) != 0:
+                # Unsharded (stage 0): every rank of the group's comm holds the same gradients;
+                # its first rank counts them. Per group, because expert groups replicate over their
+                # expert-data group only, and other expert ranks hold other experts.
+                continue
+            local += group.grad_norm_sq(device)
+            for part in uncounted:
+                local -= torch.linalg.vector_norm(group.grad_partition[part], dtype=torch.float32).square().to(device)
         flags = torch.tensor([f for group_flags in received for f in group_flags], dtype=torch.float32)
         packed = torch.cat([local.reshape(1), flags.to(device)])
         if self._world_size > 1:
@@ -163,6 +167,12 @@ class ShardedOptimizer:
             used.append([v > 0 for v in values[i : i + len(group.params)]])
             i += len(group.params)
         return values[0], used
+
+    def _replica_rank(self, group: ShardedParamGroup) -> int:
+        """This rank's index among the ranks holding the same copy of ``group`` (its comm)."""
+        if group.comm is not None:
+            return group.comm.rank
+        return dist.get_rank(self._process_group) if self._world_size > 1 else 0
 
     def step(self, *, loss_scale: float, received: list[list[bool]], after: Callable[[], None] | None = None) -> StepResult:
         """Unscale, clip, step and write the new weights back into the model.
