@@ -37,6 +37,7 @@ watchdog ends the process with status 1 if the teardown does not finish within
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import os
 import sys
@@ -85,15 +86,22 @@ def install_exit_handler() -> None:
 def _at_exit() -> None:
     if _uncaught_exception or not dist.is_available() or not dist.is_initialized():
         return
-    watchdog = threading.Timer(TEARDOWN_TIMEOUT_S, _give_up)
+    watchdog: threading.Timer | None = threading.Timer(TEARDOWN_TIMEOUT_S, _give_up)
     watchdog.daemon = True
-    watchdog.start()
+    try:
+        watchdog.start()
+    except RuntimeError:  # newer Pythons refuse new threads at shutdown: faulthandler's C thread
+        watchdog = None
+        faulthandler.dump_traceback_later(TEARDOWN_TIMEOUT_S, exit=True)
     try:
         teardown_process_groups()
     except Exception as error:  # noqa: BLE001 - the exit path must not mask the script's outcome
         print(f"partita: process-group teardown at exit failed: {error!r}", file=sys.stderr, flush=True)
     finally:
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
+        else:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _give_up() -> None:
