@@ -50,7 +50,8 @@ def save_and_reshard(save_dir: str) -> dict:
     for step in range(2):
         _step(engine, rank, world, step)
     engine.save_checkpoint(save_dir, tag="ep2")
-    out["ep2"] = {"experts": model.moe.local_expert_indices, "saved": _params(model)}
+    out["ep2"] = {"experts": model.moe.local_expert_indices, "saved": _params(model),
+                  "export": engine.get_fp32_state_dict(rank0_only=False)}  # every expert, by global index
     _step(engine, rank, world, 2)
     out["ep2"]["next"] = _params(model)
     for ep, stage in ((4, 1), (1, 3)):
@@ -100,6 +101,9 @@ def test_reshard_ep2_to_ep4_ep1_and_one_process(tmp_path) -> None:
     single = run_distributed(load_single, 1, str(tmp_path))[0]
     for name in saved:
         assert torch.equal(single[name], saved[name]), f"one process {name}"
+    for result in per_rank:  # the fp32 export gathers the experts of every expert rank
+        for name in saved:
+            assert torch.equal(result["ep2"]["export"][name], saved[name]), f"get_fp32_state_dict {name}"
     # `partita checkpoint consolidate` exports every expert, by global index.
     from safetensors.torch import load_file
 

@@ -127,8 +127,9 @@ def expert_shard_of(param: torch.Tensor):
         return None
     from partita.tensor_parallel.layers import TensorShard
 
+    group = layer._groups.expert_group if layer._groups is not None else None  # None before initialize binds it
     return TensorShard(dim=0, rank=layer.expert_rank, size=layer.ep_size,
-                       full_shape=(layer.num_experts, *param.shape[1:]), chunks=1)
+                       full_shape=(layer.num_experts, *param.shape[1:]), chunks=1, group=group)
 
 
 def expert_ep_size(param: torch.Tensor) -> int:

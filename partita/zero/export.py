@@ -26,6 +26,14 @@ from partita.zero.api import ZeroState
 from partita.zero.gathered import iter_fp32_master, iter_full_parameters
 
 
+def _split_of(param: torch.Tensor):
+    """How ``param`` is split over ranks holding different parts of it: a tensor-parallel shard, or
+    an expert-parallel MoE parameter (this rank's experts, a dim-0 split over the expert group)."""
+    from partita.moe.registry import expert_shard_of
+
+    return tensor_shard_of(param) or expert_shard_of(param)
+
+
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -36,7 +44,7 @@ def fp32_state_dict(module: nn.Module, zero: ZeroState, *, rank0_only: bool = Tr
     keep = _is_writer() or not rank0_only
     master: dict[nn.Parameter, torch.Tensor] = {}
     for param, full in iter_fp32_master(zero):
-        shard = tensor_shard_of(param)
+        shard = _split_of(param)
         if shard is not None:
             full = gather_whole(full.contiguous(), shard).contiguous()
         if keep:
@@ -72,7 +80,7 @@ def consolidated_16bit_state_dict(
     saved: dict[str, torch.Tensor] = {}
     # One parameter gathered at a time (buffers and stage 0-2 parameters need no gather).
     for name, full in iter_full_parameters(zero, unique):
-        shard = tensor_shard_of(entries[name])
+        shard = _split_of(entries[name])
         if shard is not None:
             full = gather_whole(full.contiguous(), shard).contiguous()  # while the ZeRO-3 gather still holds it
         if writer:
