@@ -47,6 +47,17 @@ def save_and_reshard(save_dir: str) -> dict:
     out = {}
     model = MoENet(num_experts=E, ep_size=2, k=2, drop_tokens=False, expert_rank=rank % 2)
     engine, _, _, _ = partita.initialize(model=model, config=_config(world, 2))
+    # GatheredParameters(modifier_rank=0): rank 0's edit reaches every copy of the dense weights
+    # and of rank 0's own experts (expert rank 0), and leaves the other expert rank's experts alone.
+    from partita.zero.gathered import GatheredParameters
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if rank == 0:
+            for p in model.parameters():
+                p.data.mul_(2.0)
+    out["modified"] = {n: torch.equal(p.detach(), 2.0 * before[n]) for n, p in model.named_parameters()}
+    out["unchanged"] = {n: torch.equal(p.detach(), before[n]) for n, p in model.named_parameters()}
     for step in range(2):
         _step(engine, rank, world, step)
     engine.save_checkpoint(save_dir, tag="ep2")
@@ -87,6 +98,11 @@ def _global(per_rank: list[dict], run: str, key: str) -> dict[str, torch.Tensor]
 
 def test_reshard_ep2_to_ep4_ep1_and_one_process(tmp_path) -> None:
     per_rank = run_distributed(save_and_reshard, 4, str(tmp_path), timeout=600)
+    for rank, result in enumerate(per_rank):
+        for name in result["modified"]:
+            expert = name.startswith("moe.experts")
+            want = result["unchanged" if expert and rank % 2 == 1 else "modified"][name]
+            assert want, f"rank {rank} {name}: GatheredParameters edit reached the wrong copies"
     saved = _global(per_rank, "ep2", "saved")
     assert not any(torch.isnan(v).any() for v in saved.values())
     continued = _global(per_rank, "ep2", "next")

@@ -171,8 +171,18 @@ def _adopt_modifications(zero, params: list[nn.Parameter], modifier_rank: int) -
     topology_group = zero.optimizer.process_group
 
     src = dist.get_global_rank(topology_group, modifier_rank) if topology_group is not None else modifier_rank
+    comms = {id(p): g.comm for g in zero.optimizer.groups for p in g.params}
     for param in params:
-        if dist.is_initialized() and dist.get_world_size(topology_group) > 1:
+        comm = comms.get(id(param))
+        if comm is not None and comm.process_group is not None and comm.process_group is not topology_group:
+            # An expert parameter: only its expert-data group holds the same experts. ZeRO rank m sits
+            # at position m // ep_size of its expert-data group; each group takes the member at that
+            # position, so the modifier's edits reach its own experts' copies and nothing else.
+            if comm.size > 1:
+                position = modifier_rank // (dist.get_world_size(topology_group) // comm.size)
+                collectives.broadcast(param.data, src=dist.get_global_rank(comm.process_group, position),
+                                      group=comm.process_group, purpose="GatheredParameters broadcast (experts)")
+        elif dist.is_initialized() and dist.get_world_size(topology_group) > 1:
             collectives.broadcast(param.data, src=src, group=topology_group, purpose="GatheredParameters broadcast")
         for group in zero.optimizer.groups:
             for p, spec, (start, end) in group.owned_slices():
