@@ -111,6 +111,10 @@ def api_body() -> dict:
     out["1f1b_few"] = _error(lambda: partita.initialize(model=module(), config=_config(1)))
     out["zero2"] = _error(lambda: partita.initialize(model=module(), config=_config(2, zero_optimization={"stage": 2})))
     out["stages_mismatch"] = _error(lambda: partita.initialize(model=module(), config=_config(2, pipeline={"stages": 1})))
+    out["partition_mismatch"] = _error(lambda: partita.initialize(
+        model=module(), config=_config(2, pipeline={"partition": "parameters"})))
+    out["virtual_mismatch"] = _error(lambda: partita.initialize(
+        model=module(), config=_config(2, pipeline={"virtual_stages": 2})))
     out["interleaved_v1"] = _error(lambda: partita.initialize(
         model=module(), config=_config(2, pipeline={"schedule": "interleaved_1f1b"})))
 
@@ -179,6 +183,11 @@ def test_engine_api_and_errors_on_two_stages() -> None:
         assert "zero_optimization.stage=2 with pipeline parallelism is not implemented yet" in out["zero2"][1]
         assert out["stages_mismatch"][0] == "ConfigError"
         assert "pipeline.stages=1 disagrees with the PipelineModule's num_stages=2" in out["stages_mismatch"][1]
+        assert out["partition_mismatch"] == (
+            "ConfigError", "pipeline.partition='parameters' disagrees with the PipelineModule's partition_method="
+                           "'uniform' (the module is partitioned when built): set them equal or use \"best\"")
+        assert out["virtual_mismatch"][0] == "ConfigError"
+        assert "PipelineModule(..., virtual_stages=2)" in out["virtual_mismatch"][1]
         assert out["interleaved_v1"][0] == "ConfigError"
         assert "needs at least 2 model chunks per rank" in out["interleaved_v1"][1]
         for call in ("forward", "backward", "step"):
