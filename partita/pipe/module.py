@@ -23,7 +23,6 @@ for tied modules, as DeepSpeed's.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,6 @@ from torch.utils.checkpoint import checkpoint
 
 from partita.pipe.partition import partition_by_method
 
-logger = logging.getLogger("partita")
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageChunk"]
 
@@ -353,7 +351,10 @@ def _trainable_numel(layer: Any) -> int:
     """Trainable parameters of one layer; a LayerSpec is built on the meta device (no memory).
     A tied layer counts at each position, as DeepSpeed counts it."""
     if isinstance(layer, LayerSpec):
-        with torch.device("meta"):
+        try:
+            with torch.device("meta"):
+                layer = layer.build()
+        except Exception:  # noqa: BLE001 - a constructor that needs real data (.item(), numpy): build it for real, as DeepSpeed does
             layer = layer.build()
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters() if p.requires_grad)
