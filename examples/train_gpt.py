@@ -17,6 +17,7 @@ the engine, ``engine.backward(loss)`` replaces ``loss.backward()`` and ``engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -42,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="model initialization seed")
     parser.add_argument("--weight-decay", type=float, default=0.1, help="on >= 2-D weights only")
     parser.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per rank")
+    parser.add_argument("--moe-every", type=int, default=0,
+                        help="mixture of experts: every k-th block's MLP becomes --moe-experts experts (0: dense)")
+    parser.add_argument("--moe-experts", type=int, default=8, help="experts per MoE block")
+    parser.add_argument("--moe-top-k", type=int, default=2, help="experts each token is routed to")
+    parser.add_argument("--moe-ep-size", type=int, default=1, help="ranks the experts are spread over (divides the ranks)")
     return parser.parse_args(argv)
 
 
@@ -97,7 +103,8 @@ def evaluate(engine, dataset: TokenWindowDataset, *, batches: int, batch_size: i
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
-    model = GPT(PRESETS[args.model]())
+    moe = dict(moe_every=args.moe_every, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_ep_size=args.moe_ep_size)
+    model = GPT(dataclasses.replace(PRESETS[args.model](), **moe))
     block = model.config.block_size
 
     # Every rank builds the corpus; the cache file is written atomically, so this is safe.

@@ -33,6 +33,16 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    # Mixture of experts (partita.moe.layer.MoE): every moe_every-th block's MLP becomes moe_experts
+    # experts with top-moe_top_k routing; 0 keeps every MLP dense. The GShard load-balancing loss
+    # of each MoE block, times moe_aux_loss_coef, is added to the training loss.
+    moe_every: int = 0
+    moe_experts: int = 8
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.0
+    moe_drop_tokens: bool = True
+    moe_ep_size: int = 1
+    moe_aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -46,6 +56,11 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.moe_every < 0 or (self.moe_every and not 1 <= self.moe_top_k <= self.moe_experts):
+            raise ValueError(
+                f"GPTConfig: moe_every={self.moe_every} must be >= 0 (0: no experts), and with experts "
+                f"1 <= moe_top_k ({self.moe_top_k}) <= moe_experts ({self.moe_experts})"
+            )
 
     @classmethod
     def tiny(cls) -> GPTConfig:
@@ -131,12 +146,17 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: the residual stream itself is never normalized, which
     keeps deep stacks trainable without warm-up tricks."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, *, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        if moe:
+            from partita.models.gpt_moe import MoEFeedForward
+
+            self.mlp = MoEFeedForward(config)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -159,7 +179,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        every = config.moe_every
+        self.blocks = nn.ModuleList(Block(config, moe=every > 0 and (i + 1) % every == 0) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_loss = LanguageModelLoss()  # no parameters: tensor parallelism swaps in a vocabulary-parallel one
@@ -176,9 +197,15 @@ class GPT(nn.Module):
         each module's (sharded) parameters whole while they are initialised.
         """
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        residual = {id(block.attn.proj) for block in self.blocks} | {id(block.mlp.proj) for block in self.blocks}
+        residual = {id(block.attn.proj) for block in self.blocks} | {id(block.mlp.proj) for block in self.blocks if hasattr(block.mlp, "proj")}
+
+        # Stacked MoE experts are initialised by MoEFeedForward (before the copies are made): drawing
+        # here would consume the generator by the number of experts this rank holds (ep_size).
+        experts = {id(m) for block in self.blocks if hasattr(block.mlp, "moe") for m in block.mlp.moe.experts.modules()}
 
         def init(module: nn.Module) -> None:
+            if id(module) in experts:
+                return
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = residual_std if id(module) in residual else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -210,7 +237,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        return logits, self.lm_loss(logits, targets)
+        loss = self.lm_loss(logits, targets)
+        aux = [block.mlp.aux_loss for block in self.blocks if getattr(block.mlp, "aux_loss", None) is not None]
+        if aux:
+            loss = loss + self.config.moe_aux_loss_coef * torch.stack(aux).sum()
+        return logits, loss
 
     def num_parameters(self, *, exclude_position_embedding: bool = False) -> int:
         """Number of distinct parameters (the tied embedding/head matrix counts once)."""
@@ -229,6 +260,10 @@ class GPT(nn.Module):
         """
         seq = self.config.block_size if seq_len is None else seq_len
         n = self.num_parameters(exclude_position_embedding=True)
+        for block in self.blocks:  # a token runs through top_k of the experts, not all of them
+            if hasattr(block.mlp, "active_fraction"):
+                local = sum(p.numel() for p in block.mlp.moe.experts.parameters())
+                n += round(local * (block.mlp.active_fraction() - 1))
         return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq
 
     def optimizer_param_groups(self, weight_decay: float) -> list[dict]:

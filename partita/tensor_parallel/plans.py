@@ -25,6 +25,11 @@ __all__ = ["gpt_plan", "plan_for"]
 
 def gpt_plan(model: nn.Module, *, sequence_parallel: bool) -> TensorParallelPlan:
     cfg = model.config
+    if cfg.moe_every:
+        raise NotImplementedError(
+            "tensor parallelism of the reference GPT with MoE blocks (GPTConfig.moe_every) is not implemented: "
+            "spread the experts with moe_ep_size instead, or set tensor_parallel.autotp_size to 1"
+        )
     styles = {
         "tok_emb": Style("embedding"),
         "blocks.*.attn.qkv": Style("column", chunks=3),
