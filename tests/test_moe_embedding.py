@@ -1,4 +1,4 @@
-"""Row-sharded embedding tables (partita.moe.ShardedEmbedding) on 2 gloo ranks equal an unsharded
+"""Row-sharded embedding tables (partita.moe.ShardedEmbedding) on 2 and 4 gloo ranks equal an unsharded
 nn.Embedding / EmbeddingBag in plain torch; each rank holds only its rows (and their Adam states)."""
 
 from __future__ import annotations
@@ -86,10 +86,14 @@ def _reference(mode: str | None, world: int) -> dict[str, torch.Tensor]:
 RUNS = [{"shards": 2, "stage": 2, "mode": "mean"}, {"shards": 2, "stage": 3, "mode": None}]
 
 
-def test_sharded_table_matches_unsharded() -> None:
-    per_rank = run_distributed(train_tables, 2, RUNS, timeout=600)
-    for i, spec in enumerate(RUNS):
-        ref = _reference(spec["mode"], 2)
+# 4 processes: 4 shards (no rank holds more than a quarter of the table), and 2 shards x 2
+# data replicas of each shard (ZeRO then halves each shard's optimizer states again).
+RUNS_4 = [{"shards": 4, "stage": 3, "mode": "sum"}, {"shards": 2, "stage": 2, "mode": None}]
+
+
+def _check_tables(per_rank: list[list[dict]], runs: list[dict], world: int) -> None:
+    for i, spec in enumerate(runs):
+        ref = _reference(spec["mode"], world)
         rows = ROWS // spec["shards"]
         for rank, results in enumerate(per_rank):
             got = results[i]
@@ -98,9 +102,18 @@ def test_sharded_table_matches_unsharded() -> None:
             torch.testing.assert_close(got["params"]["table.weight"], ref["table.weight"][first : first + rows],
                                        rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got["params"]["head.weight"], ref["head.weight"], rtol=1e-5, atol=1e-6)
-            # Adam's two moments cover this rank's rows only (ZeRO shards them further at world > shards).
-            assert got["table_state_numel"] == 2 * rows * DIM
-        assert {r[i]["first_row"] for r in per_rank} == {0, rows}
+            # Adam's two moments cover this rank's rows only, and ZeRO splits them over the ranks
+            # that hold the same rows (world / shards of them).
+            assert got["table_state_numel"] == 2 * rows * DIM // (world // spec["shards"])
+        assert {r[i]["first_row"] for r in per_rank} == {s * rows for s in range(spec["shards"])}
+
+
+def test_sharded_table_matches_unsharded() -> None:
+    _check_tables(run_distributed(train_tables, 2, RUNS, timeout=600), RUNS, 2)
+
+
+def test_sharded_table_on_4_processes() -> None:
+    _check_tables(run_distributed(train_tables, 4, RUNS_4, timeout=600), RUNS_4, 4)
 
 
 def test_sharded_table_errors() -> None:
