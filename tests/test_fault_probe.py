@@ -129,7 +129,7 @@ def _checkpoint_faults(save_dir: str) -> dict:
     return out
 
 
-def test_damaged_latest_and_failed_save_on_two_ranks(tmp_path: Path) -> None:
+def test_damaged_latest_and_failed_save_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     save_dir = tmp_path / "ckpt"
     results = run_distributed(_checkpoint_faults, 2, str(save_dir), timeout=240)
     for rank, out in enumerate(results):
@@ -147,6 +147,17 @@ def test_damaged_latest_and_failed_save_on_two_ranks(tmp_path: Path) -> None:
     assert (f"{save_dir / 'latest'} is damaged (the tag '../../etc' must be a plain directory name (no '/', '\\' or NUL, "
             "not '.' or '..')); falling back to the newest complete checkpoint") in log0
     assert f"removed {save_dir / 'global_step9.partial'}, left by a save that did not finish" in log0
+
+
+    # The CLI reads a damaged `latest` as the loader does, instead of dying on a decode error.
+    from partita.checkpoint.cli import _inspect, _resolve_tag
+
+    (save_dir / "latest").write_bytes(b"\x80\x81\xff")
+    assert _inspect(save_dir) == 0
+    assert _resolve_tag(save_dir, None) == save_dir / "after_crash"  # the newest complete tag
+    shown = capsys.readouterr().out
+    assert f"{save_dir / 'latest'} is damaged (it is not UTF-8 text); loading would use the newest complete tag" in shown
+    assert f"{save_dir / 'latest'} is damaged (it is not UTF-8 text); using the newest complete tag" in shown
 
 
 # ---------------------------------------------------------------------------- fp16 loss scale bounds

@@ -59,10 +59,12 @@ def _split_dir(path: Path) -> tuple[Path, str | None]:
 
 
 def _inspect(path: Path) -> int:
-    from partita.checkpoint.manifest import read_latest, scan_tags
+    from partita.checkpoint.manifest import read_latest_checked, scan_tags
 
     save_dir, only = _split_dir(path)
-    latest = read_latest(save_dir)
+    latest, damaged = read_latest_checked(save_dir)
+    if damaged is not None:
+        print(f"{save_dir / 'latest'} is damaged ({damaged}); loading would use the newest complete tag")
     tags = [t for t in scan_tags(save_dir) if only is None or t.path.name == only]
     if not tags:
         print(f"{path}: no checkpoints")
@@ -125,17 +127,19 @@ def _verify(path: Path, tag: str | None) -> int:
 
 def _resolve_tag(save_dir: Path, tag: str | None) -> Path:
     from partita.checkpoint.errors import CheckpointCorruptError
-    from partita.checkpoint.manifest import check_files, read_latest, read_manifest, scan_tags
+    from partita.checkpoint.manifest import check_files, read_latest_checked, read_manifest, scan_tags
 
     if tag is not None:
         read_manifest(save_dir / tag)
         return save_dir / tag
-    latest = read_latest(save_dir)
+    latest, damaged = read_latest_checked(save_dir)
+    if damaged is not None:
+        print(f"{save_dir / 'latest'} is damaged ({damaged}); using the newest complete tag")
     candidates = ([latest] if latest else []) + [t.tag for t in scan_tags(save_dir) if t.complete and t.tag != latest]
     for candidate in candidates:
         try:
             if not check_files(save_dir / candidate, read_manifest(save_dir / candidate), hash_names=set()):
-                if candidate != latest:
+                if latest is not None and candidate != latest:
                     print(f"using {candidate} (latest {latest!r} is missing or incomplete)")
                 return save_dir / candidate
         except CheckpointCorruptError:

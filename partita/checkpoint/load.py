@@ -28,7 +28,7 @@ import torch.distributed as dist
 from partita.checkpoint import format as fmt
 from partita.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from partita.checkpoint.jsoncodec import decode
-from partita.checkpoint.manifest import check_files, read_latest, read_manifest, scan_tags
+from partita.checkpoint.manifest import check_files, read_latest_checked, read_manifest, scan_tags
 from partita.checkpoint.reshard import ShardReader
 from partita.checkpoint.rng import restore_rng
 from partita.checkpoint.save import checkpoint_config, long_timeout_s, wait_for_pending_save
@@ -139,23 +139,10 @@ def _candidates(load_dir: Path, tag: str | None) -> list[str]:
 
 
 def _read_latest_or_warn(load_dir: Path) -> str | None:
-    """The tag ``latest`` names, or None (with a warning) when the file is damaged.
-
-    A damaged ``latest`` (binary bytes, several lines, a name that cannot be a tag such as
-    ``../x``) is treated like one naming a damaged tag: the newest complete tag is loaded.
-    """
-    try:
-        latest = read_latest(load_dir)
-    except (UnicodeDecodeError, OSError) as error:
-        reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else f"it cannot be read ({error})"
-        logger.warning("%s is damaged (%s); falling back to the newest complete checkpoint", load_dir / fmt.LATEST_FILE, reason)
-        return None
-    if latest is None:
-        return None
-    problem = fmt.check_tag(latest) if "\n" not in latest else "it holds more than one line"
+    """The tag ``latest`` names, or None (with a warning) when the file is damaged."""
+    latest, problem = read_latest_checked(load_dir)
     if problem is not None:
         logger.warning("%s is damaged (%s); falling back to the newest complete checkpoint", load_dir / fmt.LATEST_FILE, problem)
-        return None
     return latest
 
 

@@ -46,6 +46,27 @@ def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
         return None
 
 
+def read_latest_checked(save_dir: str | os.PathLike[str]) -> tuple[str | None, str | None]:
+    """``(tag, problem)``: the tag ``latest`` names, or None with why the file cannot be trusted.
+
+    A damaged ``latest`` (binary bytes, several lines, a name that cannot be a tag such as
+    ``../x``) is treated like one naming a damaged tag: callers fall back to the newest
+    complete tag. ``(None, None)`` means there is no ``latest`` at all.
+    """
+    from partita.checkpoint.format import check_tag
+
+    try:
+        latest = read_latest(save_dir)
+    except UnicodeDecodeError:
+        return None, "it is not UTF-8 text"
+    except OSError as error:
+        return None, f"it cannot be read ({error})"
+    if latest is None:
+        return None, None
+    problem = check_tag(latest) if "\n" not in latest else "it holds more than one line"
+    return (None, problem) if problem is not None else (latest, None)
+
+
 def write_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
     """Point ``latest`` at ``tag`` atomically (write a temporary file, then ``os.replace``)."""
     tmp = Path(save_dir) / f".{LATEST_FILE}.{os.getpid()}.tmp"
