@@ -40,6 +40,7 @@ from partita.precision.loss_scaler import build_loss_scaler
 from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
 from partita.ops.sparse_attention.apply import apply_config as apply_sparse_attention_config
 from partita.sequence.apply import apply_sequence_parallel
+from partita.sequence.apply_tiling import apply_sequence_tiling
 from partita.zero.api import apply_zero
 from partita.pipe import PipelineModule
 from partita.pipe.engine import PipelineEngine
@@ -133,6 +134,7 @@ def initialize(
     prepare_pipeline(model, cfg, topology)  # a PipelineModule: refusals, config checks, tied-weight broadcast
     apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
     apply_sparse_attention_config(model, cfg.sparse_attention, sequence_parallel_size=topology.sequence_size)
+    apply_sequence_tiling(model, cfg.sequence_tiling)  # tiled loss / MLPs, before checkpointing wraps the blocks
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set

@@ -33,7 +33,7 @@ from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from partita.ops.sparse_attention.config import SparseAttentionConfig
 from partita.pipe.config import PipelineConfig
-from partita.sequence.config import SequenceParallelConfig
+from partita.sequence.config import SequenceParallelConfig, SequenceTilingConfig
 from partita.tensor_parallel.config import TensorParallelConfig
 from partita.zero.config import ZeroConfig
 
@@ -235,6 +235,13 @@ class PartitaConfig(StrictSection):
         description=(
             "partita only: how the sequence_parallel_size ranks of one sequence run attention, \"mode\": "
             "\"ulysses\" (default) or \"ring\"."
+        ),
+    )
+    sequence_tiling: SequenceTilingConfig = Field(
+        default_factory=SequenceTilingConfig,
+        description=(
+            "partita only: long-context memory levers, loss_tile_tokens (LM head + loss over token tiles, no "
+            "full logits) and mlp_tile_tokens (MLPs over token tiles, recomputed in backward). Default: off."
         ),
     )
     sparse_attention: SparseAttentionConfig | None = Field(

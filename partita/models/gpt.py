@@ -14,6 +14,7 @@ purpose because real models have them:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,6 +44,14 @@ class GPTConfig:
     moe_drop_tokens: bool = True
     moe_ep_size: int = 1
     moe_aux_loss_coef: float = 0.01
+    # Long-context memory levers (partita.sequence.tiling): None computes all tokens at once.
+    # loss_tile_tokens: the LM head and the loss run over this many tokens at a time, so the
+    # (T, vocab) fp32 logits never exist; training forwards (targets given) return logits None.
+    # Cost: one more LM-head matmul in backward. mlp_tile_tokens: every dense MLP runs this many
+    # tokens at a time, its (T, 4d) intermediate recomputed per tile in backward. Cost: one more
+    # MLP forward per block.
+    loss_tile_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -61,6 +70,10 @@ class GPTConfig:
                 f"GPTConfig: moe_every={self.moe_every} must be >= 0 (0: no experts), and with experts "
                 f"1 <= moe_top_k ({self.moe_top_k}) <= moe_experts ({self.moe_experts})"
             )
+        for name in ("loss_tile_tokens", "mlp_tile_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"GPTConfig.{name} must be a positive int (tokens per tile) or None, got {value!r}")
 
     @classmethod
     def tiny(cls) -> GPTConfig:
@@ -137,8 +150,16 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.tile_tokens = config.mlp_tile_tokens  # None: all tokens at once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens is None:
+            return self.dense(x)
+        from partita.sequence.tiling import tiled_mlp  # the model stays plain torch unless tiling is asked for
+
+        return tiled_mlp(self.dense, x, tile_tokens=self.tile_tokens, params=tuple(self.parameters()))
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
@@ -168,6 +189,12 @@ class LanguageModelLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+        """The same mean from the final hidden states and the head weight, ``tile_tokens`` tokens at a time."""
+        from partita.sequence.tiling import tiled_cross_entropy
+
+        return tiled_cross_entropy(hidden, weight, targets, tile_tokens=tile_tokens)
 
 
 class GPT(nn.Module):
@@ -218,7 +245,8 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return logits of shape (B, T, vocab_size) and the mean cross-entropy against
-        ``targets`` (fp32 scalar), or ``None`` when no targets are given.
+        ``targets`` (fp32 scalar), or ``None`` when no targets are given. With
+        ``config.loss_tile_tokens`` and targets, the logits are ``None`` (never built).
 
         ``position_ids`` (T,): the tokens' positions in their sequence, default ``0..T-1``; a
         sequence-parallel rank holds a slice of each sequence at other positions."""
@@ -234,14 +262,40 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = self.lm_loss(logits, targets)
+        tile = self.config.loss_tile_tokens
+        if targets is not None and tile is not None:
+            # Tiled loss: the (T, vocab) logits are never built, so there are none to return.
+            logits, loss = None, self._tiled_loss(self.ln_f(x), targets, tile)
+        else:
+            logits = self.lm_head(self.ln_f(x))
+            if targets is None:
+                return logits, None
+            loss = self.lm_loss(logits, targets)
         aux = [block.mlp.aux_loss for block in self.blocks if getattr(block.mlp, "aux_loss", None) is not None]
         if aux:
             loss = loss + self.config.moe_aux_loss_coef * torch.stack(aux).sum()
         return logits, loss
+
+    def _tiled_loss(self, hidden: torch.Tensor, targets: torch.Tensor, tile: int) -> torch.Tensor:
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(f"targets must have the shape of idx {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+        from_hidden = getattr(self.lm_loss, "from_hidden", None)
+        if from_hidden is None:  # tensor parallelism's vocabulary-parallel loss, or a user's
+            raise NotImplementedError(
+                f"GPTConfig.loss_tile_tokens={tile} with the loss replaced by {type(self.lm_loss).__name__} (tensor_parallel."
+                "vocab_parallel_lm_head, or your own) is not implemented: the tiled loss needs the whole head weight; "
+                "set loss_tile_tokens to None or tensor_parallel.vocab_parallel_lm_head to false"
+            )
+        return from_hidden(hidden, self.lm_head.weight, targets, tile)
+
+    def set_sequence_tiling(self, *, loss_tile_tokens: int | None, mlp_tile_tokens: int | None) -> None:
+        """Set (or, with None, turn off) the tiled loss and the tiled dense MLPs after construction:
+        what the config's ``sequence_tiling`` section does. MoE MLPs are never tiled (their routing
+        capacity is per call)."""
+        self.config = dataclasses.replace(self.config, loss_tile_tokens=loss_tile_tokens, mlp_tile_tokens=mlp_tile_tokens)
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.tile_tokens = mlp_tile_tokens
 
     def num_parameters(self, *, exclude_position_embedding: bool = False) -> int:
         """Number of distinct parameters (the tied embedding/head matrix counts once)."""

@@ -32,11 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.distributed.topology import Topology
-from partita.sequence.comm import token_weighted_cross_entropy
+from partita.sequence.comm import IGNORE_INDEX, sequence_token_mean, token_weighted_cross_entropy
 from partita.sequence.config import SequenceParallelConfig
 from partita.sequence.layer import DistributedAttention
 from partita.sequence.ring import RingAttention, ring_attention
 from partita.sequence.sharding import Layout, check_sequence_length, local_positions, shard_sequence
+from partita.sequence.tiling import tiled_cross_entropy
 
 __all__ = ["SequenceParallelLoss", "apply_sequence_parallel"]
 
@@ -51,6 +52,13 @@ class SequenceParallelLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_weighted_cross_entropy(logits, targets, group=self.group)
+
+    def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+        """The same mean with the loss tiled (``GPTConfig.loss_tile_tokens``): this rank's tiled sum
+        over its tokens, then the exact token mean over the sequence group."""
+        loss_sum = tiled_cross_entropy(hidden, weight, targets, tile_tokens=tile_tokens, reduction="sum")
+        count = (targets.reshape(-1) != IGNORE_INDEX).sum()
+        return sequence_token_mean(loss_sum, count, group=self.group)
 
 
 def apply_sequence_parallel(model: nn.Module, topology: Topology, config: SequenceParallelConfig) -> None:
