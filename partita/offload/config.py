@@ -12,8 +12,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from partita.config.base import JsonInt, StrictSection
+from partita.offload.tier_config import OffloadTiersConfig
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
+OptimizerOffloadDevice = Literal["none", "cpu", "nvme", "auto"]
 
 _NVME_PATH_HELP = (
     "Directory for swap files when device is \"nvme\" (a fast local disk). It must exist and have "
@@ -25,12 +27,14 @@ _NVME_PATH_HELP = (
 class OffloadOptimizerConfig(StrictSection):
     """``zero_optimization.offload_optimizer``: fp32 master weights and optimizer states off the GPU."""
 
-    device: OffloadDevice = Field(
+    device: OptimizerOffloadDevice = Field(
         "none",
         description=(
             "Where fp32 master weights and optimizer states live: \"none\" (the accelerator), "
             "\"cpu\" (CPU memory; the optimizer step runs on CPU) or \"nvme\" (files under nvme_path, "
-            "streamed through CPU memory sub-group by sub-group). Stages 1-3. DeepSpeed default \"none\"."
+            "streamed through CPU memory sub-group by sub-group). Stages 1-3. DeepSpeed default \"none\". "
+            "partita extension: \"auto\" splits the state over all three tiers, accelerator first, then host "
+            "memory, then NVMe (see \"tiers\")."
         ),
     )
     nvme_path: str = Field("/local_nvme", description=_NVME_PATH_HELP)
@@ -68,7 +72,15 @@ class OffloadOptimizerConfig(StrictSection):
         description=(
             "Fraction of the optimizer partition offloaded (by elements, whole parameters at a "
             "time, the earliest-registered first); the rest stays on the accelerator and steps there. "
-            "DeepSpeed default 1.0."
+            "With device \"auto\" it fixes the accelerator's share to 1 - ratio and partita splits the "
+            "offloaded part between host memory and NVMe. DeepSpeed default 1.0."
+        ),
+    )
+    tiers: OffloadTiersConfig = Field(
+        default_factory=OffloadTiersConfig,
+        description=(
+            "partita extension, device \"auto\" only: an explicit split per tier, or the capacities and "
+            "headroom partita's automatic split uses."
         ),
     )
     delayed_param_update: bool = Field(
@@ -84,6 +96,42 @@ class OffloadOptimizerConfig(StrictSection):
     @property
     def enabled(self) -> bool:
         return self.device != "none"
+
+    def tier_fractions(self) -> tuple[float, float, float]:
+        """(accelerator, cpu, nvme) shares of every optimizer group, whatever the device.
+
+        ``"auto"`` must have been decided already (``tiers.fractions`` set, see
+        ``partita.offload.auto_placement.resolve_tiered_placement``)."""
+        if self.device == "none":
+            return (1.0, 0.0, 0.0)
+        if self.device == "cpu":
+            return (1.0 - self.ratio, self.ratio, 0.0)
+        if self.device == "nvme":
+            return (1.0 - self.ratio, 0.0, self.ratio)
+        if self.tiers.fractions is None:
+            raise RuntimeError(
+                "offload_optimizer.device \"auto\" was not decided before ZeRO was applied; partita.initialize "
+                "decides it (partita.offload.auto_placement.resolve_tiered_placement)"
+            )
+        return self.tiers.fractions.as_tuple()
+
+    @model_validator(mode="after")
+    def _tiers_need_auto(self) -> OffloadOptimizerConfig:
+        if "tiers" in self.model_fields_set and self.device != "auto":
+            raise PydanticCustomError(
+                "offload_tiers_device",
+                "offload_optimizer.tiers applies to device \"auto\" only (device is \"{device}\"); set device to "
+                "\"auto\", or remove tiers (device \"cpu\"/\"nvme\" with ratio r is the split 1-r / r)",
+                {"device": self.device},
+            )
+        if self.device == "auto" and self.tiers.fractions is not None and self.ratio != 1.0:
+            raise PydanticCustomError(
+                "offload_tiers_ratio",
+                "offload_optimizer.ratio={ratio} and tiers.fractions both fix the accelerator's share; give one "
+                "of them (tiers.fractions.accelerator = 1 - ratio)",
+                {"ratio": self.ratio},
+            )
+        return self
 
     @model_validator(mode="after")
     def _delay_needs_offload(self) -> OffloadOptimizerConfig:
