@@ -42,6 +42,7 @@ import concurrent.futures as cf
 import itertools
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,7 @@ class SwappedOptimizerStates:
             ``pipeline_read``, ``pipeline_write``).
         sub_group_size: ``zero_optimization.sub_group_size``, elements per range.
         aio: the root ``aio`` section (block I/O knobs of the swap store).
+        swapped: indices of the groups to swap (the NVMe tier); None: every offloaded group.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class SwappedOptimizerStates:
         offload: OffloadOptimizerConfig,
         sub_group_size: int,
         aio: AioConfig,
+        swapped: Sequence[int] | None = None,
     ) -> None:
         cls = type(inner)
         if cls not in SWAPPABLE_OPTIMIZERS:
@@ -162,7 +165,11 @@ class SwappedOptimizerStates:
                 "host memory), or use one of those optimizers"
             )
         self.groups = groups
-        self.swapped_groups = [g for g, group in enumerate(groups) if group.offloaded]
+        # Tiered placement (device "auto") offloads some groups to host memory only: ``swapped``
+        # names the NVMe tier's groups; by default every offloaded group is swapped.
+        self.swapped_groups = (
+            [g for g, group in enumerate(groups) if group.offloaded] if swapped is None else sorted(swapped)
+        )
         self.pipeline_read = bool(offload.pipeline_read)
         self.pipeline_write = bool(offload.pipeline_write)
         self.sub_group_size = int(sub_group_size)

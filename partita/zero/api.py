@@ -11,6 +11,7 @@ from torch import nn
 
 from partita.distributed.topology import Topology
 from partita.offload.config import AioConfig
+from partita.offload.tiers import split_by_tier
 from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
@@ -83,13 +84,17 @@ def apply_zero(
         if offload.enabled
         else None
     )
-    groups = []
+    groups, swapped = [], []
     for source_index, raw in enumerate(param_groups):
         options = {k: v for k, v in raw.items() if k != "params"}
         for comm, by_comm in _comm_split(raw["params"], param_comms or {}, dense):
             num_shards = policy.num_shards(comm.size)
             shard_rank = comm.rank if num_shards > 1 else 0  # stage 0: every rank owns everything
-            for part, part_transfer in _offload_split(by_comm, order, offload.ratio, transfer):
+            for tier, part in split_by_tier(by_comm, order=order.__getitem__, numel=nn.Parameter.numel,
+                                            fractions=offload.tier_fractions()):
+                part_transfer = None if tier == "accelerator" else transfer
+                if tier == "nvme":
+                    swapped.append(len(groups))  # its moments go to swap files (below)
                 groups.append(
                     ShardedParamGroup(
                         # Layout order = reverse registration order, the order backward produces
@@ -119,12 +124,13 @@ def apply_zero(
         model_parallel_group=topology.tensor_group if topology.tensor_size > 1 else None,
         uncounted_params=replicated_elsewhere(topology),
     )
-    if offload.device == "nvme":
-        # Everything of "cpu" offload, plus the optimizer states in swap files (ZeRO-Infinity).
+    if swapped:
+        # NVMe-tier groups: everything of "cpu" offload, plus the optimizer states in swap files (ZeRO-Infinity).
         from partita.offload.nvme_optimizer import SwappedOptimizerStates
 
         optimizer.swapper = SwappedOptimizerStates(
-            groups, inner, offload=offload, sub_group_size=config.sub_group_size, aio=aio or AioConfig()
+            groups, inner, offload=offload, sub_group_size=config.sub_group_size, aio=aio or AioConfig(),
+            swapped=swapped,
         )
     reducer = GradientReducer(
         groups,
@@ -174,27 +180,4 @@ def _comm_split(
         comm = param_comms.get(param, dense)
         parts.setdefault(id(comm), (comm, []))[1].append(param)
     return [(comm, part) for comm, part in parts.values() if part]
-
-
-def _offload_split(
-    params: list[nn.Parameter], order: dict[nn.Parameter, int], ratio: float, transfer: HostTransfer | None
-) -> list[tuple[list[nn.Parameter], HostTransfer | None]]:
-    """Cut one optimizer group into its offloaded and on-device parts (``offload_optimizer.ratio``).
-
-    Whole parameters, earliest-registered first, go to the host until ``ratio`` of the
-    group's elements are there. Each part becomes its own ZeRO group (one master each), so
-    the inner optimizer sees the user's group twice, with the same options.
-    """
-    if transfer is None or ratio >= 1.0:
-        return [(list(params), transfer)]
-    total = sum(p.numel() for p in params)
-    host: list[nn.Parameter] = []
-    moved = 0
-    for param in sorted(params, key=lambda p: order[p]):
-        if moved >= ratio * total:
-            break
-        host.append(param)
-        moved += param.numel()
-    device = [p for p in params if all(p is not h for h in host)]
-    return [(part, t) for part, t in ((host, transfer), (device, None)) if part]
 
