@@ -1,9 +1,9 @@
 """The ZeRO groups partita builds for a setup: which parameters, their shard layout, on which side.
 
 ``partita.zero.api.apply_zero`` turns each optimizer group into one ``ShardedParamGroup`` (one
-fp32 master each) -- or two with ``offload_optimizer.ratio < 1``: the earliest-registered
-parameters, whole, until ``ratio`` of the group's elements are taken, go to a group whose
-master lives in host memory; the rest stay on the accelerator. Each group's parameters are
+fp32 master each) -- or one per tier (``offload_optimizer.ratio < 1``, or tiered placement):
+``partita.offload.tiers.split_by_tier`` (the same function ZeRO calls) takes whole parameters,
+earliest-registered first, for NVMe, then host memory; the rest stay on the accelerator. Each group's parameters are
 laid out in reverse registration order by ``ShardLayout`` (reused here, not re-derived).
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo, ParamInfo
+from partita.offload.tiers import split_by_tier
 from partita.optim.eight_bit import BLOCK_SIZE, EIGHT_BIT_CLASSES
 from partita.zero.partition import ShardLayout
 
@@ -28,6 +29,7 @@ class ZeroGroup:
     layout: ShardLayout
     offloaded: bool
     aliases_params: bool
+    tier: str = "accelerator"  # "cpu" / "nvme" for offloaded groups (partita/offload/tiers.py)
 
     @property
     def partition_numel(self) -> int:
@@ -39,34 +41,18 @@ def alignment_of(setup: Setup) -> int:
     return BLOCK_SIZE if setup.optimizer in EIGHT_BIT_CLASSES else 1
 
 
-def _offload_split(group: tuple[ParamInfo, ...], setup: Setup) -> list[tuple[list[ParamInfo], bool]]:
-    """``partita.zero.api._offload_split``, with the same float comparison."""
-    offloaded = setup.offload_optimizer != "none"
-    if not offloaded or setup.offload_ratio >= 1.0:
-        return [(list(group), offloaded)]
-    total = sum(p.numel for p in group)
-    host: list[ParamInfo] = []
-    moved = 0
-    for param in sorted(group, key=lambda p: p.order):
-        if moved >= setup.offload_ratio * total:
-            break
-        host.append(param)
-        moved += param.numel
-    taken = {p.order for p in host}
-    device = [p for p in group if p.order not in taken]
-    return [(part, flag) for part, flag in ((host, True), (device, False)) if part]
-
-
 def zero_groups(info: ModelInfo, setup: Setup) -> list[ZeroGroup]:
     """The groups ``apply_zero`` builds for ``info`` under ``setup``, in its order."""
     groups = []
     for group in info.groups:
-        for part, offloaded in _offload_split(group, setup):
+        for tier, part in split_by_tier(group, order=lambda p: p.order, numel=lambda p: p.numel,
+                                        fractions=setup.tier_fractions()):
+            offloaded = tier != "accelerator"
             ordered = tuple(sorted(part, key=lambda p: -p.order))  # layout order: reverse registration
             layout = ShardLayout.build([p.shape for p in ordered], num_shards=setup.num_shards,
                                        alignment=alignment_of(setup))
             # ShardedParamGroup aliases fp32 parameters with a one-shard master, never at stage 3
             # (which frees parameter storage) nor for a host master.
             aliases = setup.dtype == "fp32" and setup.num_shards == 1 and setup.stage != 3 and not offloaded
-            groups.append(ZeroGroup(ordered, layout, offloaded, aliases))
+            groups.append(ZeroGroup(ordered, layout, offloaded, aliases, tier))
     return groups

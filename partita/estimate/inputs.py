@@ -44,6 +44,7 @@ OPTIMIZERS: tuple[str, ...] = (
 )
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+_OPTIMIZER_OFFLOAD_DEVICES = _OFFLOAD_DEVICES + ("auto",)  # auto: tiered placement (partita/offload/tiers.py)
 _POLICIES = ("none", "every", "every_k", "selective")
 _UNITS = {
     "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -181,6 +182,7 @@ class Setup:
     cpu_checkpointing: bool = False
     offload_optimizer: str = "none"
     offload_ratio: float = 1.0
+    offload_tiers: tuple[float, float, float] | None = None  # device auto: (accelerator, cpu, nvme) shares
     offload_param: str = "none"
     optimizer_buffer_count: int = 4
     param_buffer_count: int = 5
@@ -225,9 +227,10 @@ class Setup:
             raise EstimateError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if not self.sgd_momentum >= 0.0:
             raise EstimateError(f"sgd_momentum must be >= 0, got {self.sgd_momentum!r}")
-        for name in ("offload_optimizer", "offload_param"):
-            if getattr(self, name) not in _OFFLOAD_DEVICES:
-                raise EstimateError(f"{name} {getattr(self, name)!r} is not one of none, cpu, nvme")
+        for name, allowed in (("offload_optimizer", _OPTIMIZER_OFFLOAD_DEVICES), ("offload_param", _OFFLOAD_DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise EstimateError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        self._check_tiers()
         if not 0.0 < self.offload_ratio <= 1.0:
             raise EstimateError(f"offload_ratio must be in (0, 1], got {self.offload_ratio!r}")
         # The same rules as partita.zero.config.ZeroConfig, so an estimate never describes a
@@ -239,13 +242,37 @@ class Setup:
             )
         if self.offload_param != "none" and self.stage != 3:
             raise EstimateError("offload_param needs ZeRO stage 3; choose stage 3 or offload_param none")
-        if self.offload_optimizer == "nvme" and "8bit" in self.optimizer:
+        if (self.offload_optimizer == "nvme" or (self.offload_tiers or (0, 0, 0))[2] > 0) and "8bit" in self.optimizer:
             raise EstimateError(
                 f"{self.optimizer} cannot swap its states to NVMe (block-quantised states; partita refuses it); "
                 "use offload_optimizer cpu or an fp32-state optimizer (Adam, AdamW, SGD, Lion)"
             )
         if self.delayed_param_update and self.offload_optimizer == "none":
             raise EstimateError("delayed_param_update needs offload_optimizer cpu or nvme; set one or drop it")
+
+    def _check_tiers(self) -> None:
+        tiers = self.offload_tiers
+        if tiers is None:
+            return
+        if self.offload_optimizer != "auto":
+            raise EstimateError(f"offload_tiers {tiers!r} needs offload_optimizer auto, not {self.offload_optimizer!r}")
+        if len(tiers) != 3 or any(not 0.0 <= f <= 1.0 for f in tiers) or abs(sum(tiers) - 1.0) > 1e-9:
+            raise EstimateError(f"offload_tiers {tiers!r} must be three shares in [0, 1] (accelerator, cpu, nvme) "
+                                "summing to 1")
+
+    def tier_fractions(self) -> tuple[float, float, float]:
+        """``OffloadOptimizerConfig.tier_fractions`` for this setup; device auto needs ``offload_tiers``
+        (``partita.estimate.tiers.plan_tiers`` decides them)."""
+        if self.offload_optimizer == "none":
+            return (1.0, 0.0, 0.0)
+        if self.offload_optimizer == "cpu":
+            return (1.0 - self.offload_ratio, self.offload_ratio, 0.0)
+        if self.offload_optimizer == "nvme":
+            return (1.0 - self.offload_ratio, 0.0, self.offload_ratio)
+        if self.offload_tiers is None:
+            raise EstimateError("offload_optimizer auto needs its split per tier: decide it with "
+                                "partita.estimate.tiers.plan_tiers (partita estimate does), or give offload_tiers")
+        return self.offload_tiers
 
     @property
     def dtype_bytes(self) -> int:
@@ -274,7 +301,10 @@ class Setup:
 
     def describe(self) -> str:
         offload = "none"
-        if self.offload_optimizer != "none":
+        if self.offload_tiers is not None:
+            offload = "optimizer->tiers " + "/".join(f"{t} {f:.3g}" for t, f in zip(("accelerator", "cpu", "nvme"),
+                                                                                     self.offload_tiers))
+        elif self.offload_optimizer != "none":
             ratio = "" if self.offload_ratio == 1.0 else f" (ratio {self.offload_ratio:g})"
             offload = f"optimizer->{self.offload_optimizer}{ratio}"
         if self.offload_param != "none":
@@ -312,6 +342,8 @@ class Setup:
             "stage3_max_reuse_distance": zero.stage3_max_reuse_distance,
             "offload_optimizer": zero.offload_optimizer.device,
             "offload_ratio": zero.offload_optimizer.ratio,
+            "offload_tiers": (zero.offload_optimizer.tiers.fractions.as_tuple()
+                              if zero.offload_optimizer.tiers.fractions is not None else None),
             "optimizer_buffer_count": zero.offload_optimizer.buffer_count,
             "delayed_param_update": zero.offload_optimizer.delayed_param_update,
             "offload_param": zero.offload_param.device,

@@ -243,17 +243,19 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         state = _sum(device_groups, lambda g: optimizer_state_bytes(setup, g.partition_numel)[0]) + tables
         lines.append(Line("optimizer states", f"{setup.optimizer} states: {what}", "accelerator", state))
         tables = 0  # bitsandbytes shares one set of code tables across all groups
-    if host_groups and setup.offload_optimizer == "cpu":
-        state = _sum(host_groups, lambda g: optimizer_state_bytes(setup, g.partition_numel)[0]) + tables
+    cpu_tier = [g for g in host_groups if g.tier == "cpu"]
+    nvme_tier = [g for g in host_groups if g.tier == "nvme"]
+    if cpu_tier:
+        state = _sum(cpu_tier, lambda g: optimizer_state_bytes(setup, g.partition_numel)[0]) + tables
         lines.append(Line("optimizer states", f"{setup.optimizer} states (offloaded): {what}", "cpu", state))
-    if host_groups and setup.offload_optimizer == "nvme":
+    if nvme_tier:
         # nvme_optimizer: one swap file per state and sub-group, rounded up to aio.block_size.
         block = setup.aio_block_size
-        files = [math.ceil(4 * n / block) * block for g in host_groups
+        files = [math.ceil(4 * n / block) * block for g in nvme_tier
                  for n in _ranges(g.partition_numel, setup.sub_group_size)] * swapped_state_count(setup)
         lines.append(Line("optimizer states", f"{setup.optimizer} states (swap files): {what}", "nvme", sum(files),
                           note="one file per state and sub-group"))
-        widest = max(min(setup.sub_group_size, g.partition_numel) for g in host_groups)
+        widest = max(min(setup.sub_group_size, g.partition_numel) for g in nvme_tier)
         lines.append(Line("buffers", "NVMe state buffers (fp32, pinned)", "cpu",
                           setup.optimizer_buffer_count * (4 * widest + BUFFER_ALIGNMENT),
                           note="buffer_count x min(sub_group_size, partition) elements"))
