@@ -231,6 +231,13 @@ class Engine:
         if not boundary:
             return
         samples = self._samples.end_step(global_steps=self.global_steps + 1)  # may refuse unequal micro-batches
+        self._apply_update(samples)
+
+    def _apply_update(self, samples: int) -> None:
+        """The update at an accumulation boundary, shared by :meth:`step` and the pipeline engine's
+        ``train_batch`` (partita/pipe): the optimizer step (unscale, clip, skip on inf/nan), the
+        loss scale, the counters, the step log and the preemption check. ``samples``: the global
+        samples of the batch just reduced."""
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # The LR scheduler steps once the update is in the weights: at once, or, with a
         # delayed update, when it lands (so the update never reads the next step's rate).

@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,9 @@ class StepLogger:
         self._trial = TrialReporter.from_env()
         # MoE layers: tokens per expert, dropped fraction, aux loss (partita/moe/monitor.py).
         self._routing = RoutingMonitor(engine.module, device=self._device)
+        # A strategy's own metrics, read at each print step and logged after the standard ones
+        # (the pipeline engine's idle time per stage, partita/pipe/bubble.py).
+        self.extra_metrics: Callable[[], dict[str, float]] | None = None
 
     # ------------------------------------------------------------------ helpers
     def _sync(self) -> None:
@@ -177,6 +180,15 @@ class StepLogger:
                 self._profile_step_s = time.perf_counter() - begin
             else:
                 yield
+
+    def observe_batch(self, args: tuple) -> None:
+        """A training batch run outside :meth:`forward_scope` (a pipeline's ``train_batch``): count
+        its tokens (``args``: this rank's inputs, empty past the first stage, so only the first
+        stage counts them) and start the throughput clock as a forward would."""
+        tokens, seq = count_tokens(args, {})
+        if seq is not None:
+            self._seq_len = seq
+        self._meter.on_forward(local_tokens=tokens, global_samples=self._engine.global_samples)
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach())
@@ -290,9 +302,12 @@ class StepLogger:
         }
         routing = self._routing.collect()  # collective (an all-reduce) when the model has MoE layers
         metrics.update(routing)
+        extra = self.extra_metrics() if self.extra_metrics is not None else {}
+        metrics.update(extra)
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self._totals = {k: v for k, v in metrics.items() if k.startswith("avg_") and v is not None}
-        self.last_line = _format_line(engine, metrics, phases) + self._routing.format(routing)
+        self.last_line = (_format_line(engine, metrics, phases) + self._routing.format(routing)
+                          + "".join(f" {k}={v:.3f}" for k, v in extra.items()))
         if self._is_rank0:
             if self._layout is not None:  # the first print step says how the model is laid out
                 logger.info("layout: %s", self._layout)

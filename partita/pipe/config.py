@@ -70,6 +70,14 @@ class PipelineConfig(StrictSection):
             "Default \"1f1b\"."
         ),
     )
+    measure_bubble: bool | None = Field(
+        None,
+        description=(
+            "partita only: time each stage's compute inside the schedule and report its idle (bubble) time "
+            "(engine.last_bubble, the step log's pipe_idle_s<k>). null: on for CPU, off for CUDA, where "
+            "timing synchronises the device around every micro-batch's forward and backward. Default null."
+        ),
+    )
     virtual_stages: JsonInt | None = Field(
         None,
         ge=1,

@@ -14,8 +14,14 @@ One batch, on every rank:
 3. tied parameters' gradients are summed over their owner stages, then the ZeRO reducer averages
    every gradient over this stage's ZeRO group (data x sequence) once, into the fp32 partitions
    (ZeRO-1: reduce-scatter), exactly what gradient accumulation does for the plain Engine;
-4. the ZeRO optimizer steps; its global gradient norm is summed over the pipe axis too (each tied
-   parameter counted once), so clipping and fp16 overflow skipping agree on every stage.
+4. the ZeRO optimizer steps (:meth:`partita.engine.Engine._apply_update`, the plain engine's own
+   epilogue); its global gradient norm is summed over the pipe axis too (each tied parameter
+   counted once), so clipping and fp16 overflow skipping agree on every stage.
+
+Monitoring: the step log's loss is the batch loss broadcast from the last stage (the same on
+every stage), its samples/s the whole pipeline's batch (``train_batch_size``) per step, its
+tokens counted on the first stage only; ``engine.last_bubble`` and the log's ``pipe_idle_s<k>``
+give each stage's idle time (:mod:`partita.pipe.bubble`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.distributed as dist
 
 from partita.distributed import collectives
 from partita.engine import Engine
+from partita.pipe.bubble import BubbleTimer
 from partita.pipe.module import PipelineModule
 from partita.pipe.schedule import ScaledLoss, build_schedule, build_stages, check_micro_batches
 from partita.tensor_containers import map_tensors
@@ -66,7 +73,19 @@ class PipelineEngine(Engine):
         self.stage_id = module.stage_id
         self._stages = build_stages(module, device=self.device, group=topology.pipe_group)
         self._loss = ScaledLoss(module.loss_fn, self.micro_batches)
-        self._train_schedule = build_schedule(self.schedule_name, self._stages, self.micro_batches, self._loss)
+        measure = pipeline.measure_bubble if pipeline.measure_bubble is not None else self.device.type != "cuda"
+        # Idle time per stage (partita/pipe/bubble.py); None when pipeline.measure_bubble is off.
+        self._bubble = BubbleTimer(stage_id=module.stage_id, num_stages=module.num_stages,
+                                   micro_batches=self.micro_batches, schedule=self.schedule_name,
+                                   device=self.device) if measure else None
+        # The last batch's idle time per stage (BubbleTimer.gather's dict), None before the first batch.
+        self.last_bubble: dict[str, Any] | None = None
+        loss_fn: Any = self._loss
+        if self._bubble is not None:
+            self._bubble.wrap_stages(self._stages)
+            loss_fn = self._bubble.timed(self._loss)
+            self._step_log.extra_metrics = self._bubble.window_metrics
+        self._train_schedule = build_schedule(self.schedule_name, self._stages, self.micro_batches, loss_fn)
         self._eval: Any = None  # built at the first eval_batch
         self._last_stage_rank = dist.get_global_rank(topology.pipe_group, topology.pipe_size - 1)
         if topology.pipe_size > 1:
@@ -103,14 +122,24 @@ class PipelineEngine(Engine):
                                "use eval_batch() to evaluate")
         self.module.train()
         args, target = self._read_batch(data_iter, "train_batch")
+        self._step_log.observe_batch(args)  # tokens on the first stage; starts the throughput clock
         self._loss.losses.clear()
         self._loss.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        self._run(self._train_schedule, args, target)
-        self._reduce_gradients()
+        with self._step_log.timer("pipeline_schedule"):
+            if self._bubble is not None:
+                self._bubble.run(lambda: self._run(self._train_schedule, args, target))
+            else:
+                self._run(self._train_schedule, args, target)
+        with self._step_log.timer("backward_allreduce"):
+            self._reduce_gradients()
         # The last micro_batches calls are the batch's: torch 2.13 also calls the loss once while it
         # infers the backward metadata at a schedule's first step (its gradients go nowhere).
         loss = self._mean_loss(self._loss.losses[-self.micro_batches:], reduce_output="avg")
-        self._optimizer_step()
+        if self._bubble is not None:
+            self.last_bubble = self._bubble.gather()
+        self._step_log.observe_loss(loss)
+        self.micro_steps += self.micro_batches
+        self._apply_update(self._batch.train_batch_size)
         return loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
@@ -228,23 +257,6 @@ class PipelineEngine(Engine):
             collectives.broadcast(value, src=self._last_stage_rank, group=self.topology.pipe_group,
                                   purpose="pipeline loss broadcast from the last stage")
         return value
-
-    def _optimizer_step(self) -> None:
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        after = self.lr_scheduler.step if self.lr_scheduler is not None else None
-        result = self.optimizer.step(loss_scale=scale, received=self.zero.reducer.take_received(), after=after)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=not result.applied)
-        self._global_grad_norm = result.grad_norm
-        self._step_applied = result.applied
-        if not result.applied:
-            self.skipped_steps += 1
-            if self.topology.rank == 0:
-                logger.warning("step %d skipped: the gradient norm is %s (inf/nan in the gradients of some stage)",
-                               self.global_steps + 1, result.grad_norm)
-        self.micro_steps += self.micro_batches
-        self.global_steps += 1
-        self.global_samples += self._batch.train_batch_size
 
     # ------------------------------------------------------------------ what a pipeline engine refuses
     def forward(self, *args: Any, **kwargs: Any) -> Any:

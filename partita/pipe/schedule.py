@@ -99,7 +99,7 @@ def build_stages(module: PipelineModule, *, device: torch.device, group: dist.Pr
     return [PipelineStage(chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
 
 
-def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: ScaledLoss | None):
+def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: Callable[[Any, Any], Any] | None):
     """The torch schedule ``name`` (a key of config ``pipeline.schedule``) over this rank's ``stages``;
     ``loss=None``: forward only (GPipe stands in for 1F1B, which is the same without backwards)."""
     if name in _SINGLE:

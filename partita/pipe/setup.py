@@ -41,10 +41,13 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
         return
     pipeline = cfg.pipeline
     stage = cfg.zero_optimization.stage
-    if stage >= 2:
-        raise NotImplementedError(
-            f"zero_optimization.stage={stage} with pipeline parallelism is not implemented yet (DeepSpeed refuses it "
-            "too): use stage 0 or 1, which shard the optimizer states inside each stage's data-parallel group"
+    if stage >= 3:
+        # ZeRO-3 would gather every layer's parameters per micro-batch forward and backward (or hold
+        # them whole for the batch, which is ZeRO-2's memory): not built for pipelines.
+        raise ConfigError(
+            f"zero_optimization.stage={stage} with pipeline parallelism is not supported: use zero_optimization.stage "
+            "2 (optimizer states, fp32 masters and gradient partitions sharded inside each stage's data-parallel "
+            "group) or 1; the pipeline already splits the parameters across stages"
         )
     if topology.tensor_size > 1 or topology.sequence_size > 1:
         raise NotImplementedError(
