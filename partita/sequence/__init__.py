@@ -5,10 +5,13 @@
 - :func:`shard_sequence`, :func:`local_positions`: which tokens a sequence rank holds;
 - :func:`token_weighted_cross_entropy`, :func:`sequence_token_mean`: the loss averaged exactly over
   all tokens of the sequence group;
-- :func:`apply_sequence_parallel`: what ``initialize`` does with ``sequence_parallel_size > 1``.
+- :func:`apply_sequence_parallel`: what ``initialize`` does with ``sequence_parallel_size > 1``;
+- :func:`tiled_cross_entropy`, :func:`tiled_mlp`, :class:`TiledMLP`, :func:`apply_tiled_mlp`
+  (:mod:`partita.sequence.tiling`): the loss and the MLP over token tiles, for long context on
+  one device (the ``sequence_tiling`` section).
 
-The config: top-level ``sequence_parallel_size`` (DeepSpeed's) and the ``sequence_parallel``
-section (:mod:`partita.sequence.config`).
+The config: top-level ``sequence_parallel_size`` (DeepSpeed's), the ``sequence_parallel`` and
+``sequence_tiling`` sections (:mod:`partita.sequence.config`).
 """
 
 from __future__ import annotations
@@ -17,17 +20,22 @@ from partita.sequence.comm import all_reduce_sum, all_to_all, sequence_token_mea
 from partita.sequence.layer import DistributedAttention
 from partita.sequence.ring import RingAttention, ring_attention
 from partita.sequence.sharding import local_positions, shard_sequence, unshard_sequence
+from partita.sequence.tiling import TiledMLP, apply_tiled_mlp, tiled_cross_entropy, tiled_mlp
 
 __all__ = [
     "DistributedAttention",
     "RingAttention",
+    "TiledMLP",
     "all_reduce_sum",
     "all_to_all",
+    "apply_tiled_mlp",
     "apply_sequence_parallel",
     "local_positions",
     "ring_attention",
     "sequence_token_mean",
     "shard_sequence",
+    "tiled_cross_entropy",
+    "tiled_mlp",
     "token_weighted_cross_entropy",
     "unshard_sequence",
 ]
