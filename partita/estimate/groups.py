@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo, ParamInfo
-from partita.offload.tiers import split_by_tier
+from partita.offload.tiers import tier_parts
 from partita.optim.eight_bit import BLOCK_SIZE, EIGHT_BIT_CLASSES
 from partita.zero.partition import ShardLayout
 
@@ -45,12 +45,14 @@ def zero_groups(info: ModelInfo, setup: Setup) -> list[ZeroGroup]:
     """The groups ``apply_zero`` builds for ``info`` under ``setup``, in its order."""
     groups = []
     for group in info.groups:
-        for tier, part in split_by_tier(group, order=lambda p: p.order, numel=lambda p: p.numel,
-                                        fractions=setup.tier_fractions()):
+        for tier, part, padding in tier_parts(
+            group, order=lambda p: p.order, numel=lambda p: p.numel, shape=lambda p: p.shape,
+            fractions=setup.tier_fractions(), num_shards=setup.num_shards, alignment=alignment_of(setup),
+        ):
             offloaded = tier != "accelerator"
-            ordered = tuple(sorted(part, key=lambda p: -p.order))  # layout order: reverse registration
+            ordered = tuple(part)  # layout order: reverse registration
             layout = ShardLayout.build([p.shape for p in ordered], num_shards=setup.num_shards,
-                                       alignment=alignment_of(setup))
+                                       alignment=alignment_of(setup), lead_padding=padding[0], tail_padding=padding[1])
             # ShardedParamGroup aliases fp32 parameters with a one-shard master, never at stage 3
             # (which frees parameter storage) nor for a host master.
             aliases = setup.dtype == "fp32" and setup.num_shards == 1 and setup.stage != 3 and not offloaded

@@ -11,7 +11,7 @@ from torch import nn
 
 from partita.distributed.topology import Topology
 from partita.offload.config import AioConfig
-from partita.offload.tiers import split_by_tier
+from partita.offload.tiers import tier_parts
 from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
@@ -90,8 +90,10 @@ def apply_zero(
         for comm, by_comm in _comm_split(raw["params"], param_comms or {}, dense):
             num_shards = policy.num_shards(comm.size)
             shard_rank = comm.rank if num_shards > 1 else 0  # stage 0: every rank owns everything
-            for tier, part in split_by_tier(by_comm, order=order.__getitem__, numel=nn.Parameter.numel,
-                                            fractions=offload.tier_fractions()):
+            for tier, part, padding in tier_parts(
+                by_comm, order=order.__getitem__, numel=nn.Parameter.numel, shape=lambda p: p.shape,
+                fractions=offload.tier_fractions(), num_shards=num_shards, alignment=alignment,
+            ):
                 part_transfer = None if tier == "accelerator" else transfer
                 if tier == "nvme":
                     swapped.append(len(groups))  # its moments go to swap files (below)
@@ -109,6 +111,7 @@ def apply_zero(
                         host_transfer=part_transfer,
                         source_index=source_index,
                         comm=comm,
+                        padding=padding,  # tier parts keep the uncut group's SIMD lanes (offload/tiers.py)
                     )
                 )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])

@@ -76,26 +76,35 @@ class ShardLayout:
     partition_numel: int
 
     @classmethod
-    def build(cls, shapes: Sequence[torch.Size], *, num_shards: int, alignment: int = 1) -> ShardLayout:
+    def build(
+        cls, shapes: Sequence[torch.Size], *, num_shards: int, alignment: int = 1, lead_padding: int = 0,
+        tail_padding: int = 0,
+    ) -> ShardLayout:
         """Lay out parameters of the given shapes over ``num_shards`` ranks.
 
         ``alignment``: every shard holds a multiple of this many elements. Block-wise
         optimizers (8-bit states quantised per block of B elements) use B here, so a block
         never spans two parameters and a parameter's blocks start at the same element
         offsets for every world size, which keeps results independent of the world size.
+
+        ``lead_padding`` / ``tail_padding``: zero elements before the first / after the last
+        shard of the partition (tiered placement, partita/offload/tiers.py: a group cut per tier
+        keeps its elements in the same SIMD lanes as the uncut group, for bit-identical steps).
         """
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
         if alignment < 1:
             raise ValueError(f"alignment must be >= 1, got {alignment}")
+        if lead_padding < 0 or tail_padding < 0:
+            raise ValueError(f"padding must be >= 0, got lead {lead_padding}, tail {tail_padding}")
         specs = []
-        offset = 0
+        offset = lead_padding
         for index, shape in enumerate(shapes):
             numel = math.prod(shape)
             shard_numel = math.ceil(numel / (num_shards * alignment)) * alignment
             specs.append(ShardSpec(index, torch.Size(shape), numel, shard_numel, offset))
             offset += shard_numel
-        return cls(num_shards=num_shards, specs=tuple(specs), partition_numel=offset)
+        return cls(num_shards=num_shards, specs=tuple(specs), partition_numel=offset + tail_padding)
 
     def buckets(self, max_numel: int) -> list[Bucket]:
         """Split the group into runs of consecutive parameters of at most ``max_numel``

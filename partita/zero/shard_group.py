@@ -86,6 +86,7 @@ class ShardedParamGroup:
         host_transfer: HostTransfer | None = None,
         source_index: int = 0,
         comm: ShardComm | None = None,
+        padding: tuple[int, int] = (0, 0),
     ) -> None:
         self.params = list(params)
         # Who this group's gradients are reduced with and its partition is sharded across
@@ -96,7 +97,9 @@ class ShardedParamGroup:
         self.source_index = source_index
         self.options = dict(options)
         self.shard_rank = shard_rank
-        self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards, alignment=alignment)
+        # padding: (lead, tail) zeros of a tier's part of a group (partita/offload/tiers.py).
+        self.layout = ShardLayout.build([p.shape for p in self.params], num_shards=num_shards, alignment=alignment,
+                                        lead_padding=padding[0], tail_padding=padding[1])
         # ZeRO-Offload: the master, its gradient and the optimizer states live in host
         # memory, and gradients/weights cross through ``host_transfer``.
         self.host_transfer = host_transfer
