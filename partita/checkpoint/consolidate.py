@@ -6,7 +6,9 @@ parameters and buffers from the model file. The output is
 ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``), which
 ``transformers`` loads. Tied parameters are written once; the index lists the aliases under
-``metadata.tied_weights``.
+``metadata.tied_weights``. A pipeline checkpoint is written with the keys of a plain
+``nn.Sequential`` of its layers (:mod:`partita.checkpoint.pipeline_layout`);
+:func:`load_consolidated` reads an output back as one state dict, aliases included.
 
 Memory: the plan (names, shapes, output files) comes from meta.json alone; each tensor is
 then assembled from its shards, cast, written and dropped before the next one, so the peak
@@ -27,6 +29,7 @@ import torch
 
 from partita.checkpoint import format as fmt
 from partita.checkpoint.errors import CheckpointError
+from partita.checkpoint.pipeline_layout import sequential_names
 from partita.checkpoint.reshard import ShardReader
 from partita.checkpoint.safetensors_io import TensorEntry, write_json, write_safetensors
 from partita.checkpoint.tensor_layout import assemble
@@ -98,6 +101,11 @@ def consolidate(tag_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
     tag_dir, out_dir = Path(tag_dir), Path(out_dir)
     meta = json.loads((tag_dir / fmt.META_FILE).read_text(encoding="utf-8"))
     items, aliases = _plan(meta, DTYPES[dtype])
+    # A pipeline checkpoint's keys become those of nn.Sequential(*layers) (pipeline_layout's note).
+    renamed = {item.name: item.name for item in items}
+    if meta.get("pipeline") is not None:
+        renamed, tied = sequential_names([item.name for item in items], meta["pipeline"])
+        aliases = {**{renamed.get(a, a): renamed.get(s, s) for a, s in aliases.items()}, **tied}
     shards = _split(items, parse_size(max_shard_size))
     out_dir.mkdir(parents=True, exist_ok=True)
     params = meta["optimizer"]["params"]
@@ -110,19 +118,34 @@ def consolidate(tag_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
                     # A tensor-parallel parameter's pieces are put back together (tensor_layout).
                     full = assemble(reader, fmt.master_key(item.name), params[item.name], None)
                 else:
-                    full = reader.tensor(meta["model"]["file"], item.name)
+                    full = reader.tensor(fmt.model_file_of(meta["model"], item.name), item.name)
                 return full.to(item.dtype).reshape(item.shape)
 
             return build
 
         for index, shard in enumerate(shards, start=1):
             name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-            entries = [TensorEntry(item.name, item.dtype, item.shape, produce(item)) for item in shard]
+            entries = [TensorEntry(renamed[item.name], item.dtype, item.shape, produce(item)) for item in shard]
             write_safetensors(out_dir / name, entries, metadata={"format": "pt"}, on_tensor=lambda e: bar.update(1))
-            weight_map.update({item.name: name for item in shard})
+            weight_map.update({renamed[item.name]: name for item in shard})
     tensor_bytes = sum(math.prod(i.shape) * torch.empty((), dtype=i.dtype).element_size() for i in items)
     index_path = out_dir / "model.safetensors.index.json"
     write_json(index_path, {"metadata": {"total_size": tensor_bytes, "tied_weights": aliases,
                                          "source": str(tag_dir), "global_steps": meta["counters"]["global_steps"]},
                             "weight_map": weight_map})
     return index_path
+
+
+def load_consolidated(out_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The state dict :func:`consolidate` wrote to ``out_dir``; each alias of ``metadata.tied_weights``
+    is the same tensor object as the key it names, as in the module it came from."""
+    from safetensors.torch import load_file
+
+    out_dir = Path(out_dir)
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        state.update(load_file(str(out_dir / name)))
+    for alias, stored in index["metadata"].get("tied_weights", {}).items():
+        state[alias] = state[stored]
+    return state

@@ -39,6 +39,15 @@ parameter's entry holds its whole shape, its split (``tensor``: dim, size, chunk
 tensor (:mod:`partita.checkpoint.tensor_layout` has the details and the load rules). Such
 parameters are not in the model file (like ZeRO-3's sharded ones); replicated ones are written
 by tensor rank 0 only. Rank files stay one per global rank.
+
+Pipeline checkpoints (partita/pipe/checkpoint.py) are version 2 checkpoints too: keys are the
+PipelineModule's state_dict names, which carry a layer's global index (``3.linear.weight``)
+or its tie key (``tied_modules.embed.weight``), so they do not depend on the stage count. Each
+stage's first rank writes its stage's model file (``model-stage00001.safetensors``;
+``model.files`` in meta.json maps every stored key to its file); a tied layer is stored once,
+by its first owner stage. meta.json's parameter table and groups cover every stage (a stage's
+groups are numbered after the previous stages'), and its ``pipeline`` section records the
+layer list (layer count, stage boundaries, tie positions) for ``consolidate``.
 """
 
 from __future__ import annotations
@@ -55,6 +64,16 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 PARTIAL_SUFFIX = ".partial"
 RNG_METADATA_KEY = "partita_rng"
+
+
+def stage_model_file(stage: int) -> str:
+    """A pipeline checkpoint's model file of one stage (see partita/pipe/checkpoint.py)."""
+    return f"model-stage{stage:05d}.safetensors"
+
+
+def model_file_of(model_meta: dict, key: str) -> str:
+    """The model file holding ``key``: one file, or (a pipeline checkpoint: ``model.files``) one per stage."""
+    return model_meta.get("files", {}).get(key, model_meta["file"])
 
 
 def rank_file(rank: int) -> str:

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,8 +64,13 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    check_layout: Callable[[Engine, dict[str, Any], bool], None] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Restore a checkpoint; see :meth:`partita.engine.Engine.load_checkpoint`."""
+    """Restore a checkpoint; see :meth:`partita.engine.Engine.load_checkpoint`.
+
+    ``check_layout(engine, meta, strict)``: replaces the per-rank comparison of the module's keys
+    and trainable parameters with the checkpoint's (a pipeline stage holds only some layers, so
+    partita/pipe/checkpoint.py compares the union over its stages); every rank calls it."""
     wait_for_pending_save()
     cfg = checkpoint_config(engine)
     if load_dir is None:
@@ -120,6 +125,7 @@ def load_checkpoint(
         load_optimizer_states=load_optimizer_states and not load_module_only,
         load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
         load_module_only=load_module_only,
+        check_layout=check_layout,
     )
     if coordinator.rank == 0:
         logger.info("loaded checkpoint %s (global step %d)", path, engine.global_steps)
@@ -171,15 +177,20 @@ def _restore(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
+    check_layout: Callable[[Engine, dict[str, Any], bool], None] | None = None,
 ) -> dict[str, Any]:
     meta = json.loads((path / fmt.META_FILE).read_text(encoding="utf-8"))
+    strict = load_module_strict
+    if check_layout is not None:
+        check_layout(engine, meta, load_module_strict)
+        strict = False  # checked over every stage just now; this rank's keys are a part of them
     with ShardReader(path) as reader:
         tensor_of = lambda key: reader.tensor(meta["state_file"], key)  # noqa: E731
         sharded_now = sharded_param_keys(engine)
         # Keys restored through the fp32 master weights instead of the model file: those held
         # as shards in this run (ZeRO-3) and those the checkpoint holds only as shards.
         via_master = _load_module(
-            engine.module, reader, meta["model"], strict=load_module_strict, skip=sharded_now, tensor_of=tensor_of
+            engine.module, reader, meta["model"], strict=strict, skip=sharded_now, tensor_of=tensor_of
         )
         engine.zero_grad()
         if load_module_only:
@@ -188,7 +199,8 @@ def _restore(
             _masters_for_module_only(engine, reader, meta, via_master)
             engine.optimizer.write_back_params()
             return decode(meta["client_state"], tensor=tensor_of)
-        _check_parameters(engine, meta)
+        if check_layout is None:
+            _check_parameters(engine, meta)
         _load_masters(engine, reader, meta)
         if load_optimizer_states:
             _load_optimizer_state(engine, reader, meta, tensor_of)
@@ -220,7 +232,8 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
     current = module.state_dict()
     aliases = model_meta["aliases"]
     extra = model_meta.get("extra_state", {})
-    stored = set(reader.handle(model_meta["file"]).keys())
+    files = {model_meta["file"], *model_meta.get("files", {}).values()}
+    stored = {key for name in files for key in reader.handle(name).keys()}
     sharded_saved = set(model_meta.get("sharded_keys", []))
     saved_keys = set(model_meta["keys"])
     missing = [k for k in current if k not in saved_keys]
@@ -246,8 +259,8 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
             if source in sharded_saved:
                 via_master.add(key)
                 continue
-            raise CheckpointCorruptError(f"{reader.tag_dir / model_meta['file']} has no tensor {source!r}")
-        value = reader.tensor(model_meta["file"], source)
+            raise CheckpointCorruptError(f"{reader.tag_dir / fmt.model_file_of(model_meta, source)} has no tensor {source!r}")
+        value = reader.tensor(fmt.model_file_of(model_meta, source), source)
         shard = tensor_shards.get(key)
         if shard is not None and tuple(value.shape) == tuple(shard.full_shape):
             # A whole tensor (saved without tensor parallelism): this rank's shard of it.
@@ -281,7 +294,7 @@ def _masters_for_module_only(engine: Engine, reader: ShardReader, meta: dict[str
                 key = fmt.master_key(source if name not in saved else name)
                 read_elements(reader, key, record, split_of(param), start, end, target)
             elif source in model_meta["tensors"]:
-                value = reader.tensor(model_meta["file"], source)
+                value = reader.tensor(fmt.model_file_of(model_meta, source), source)
                 shard = split_of(param)
                 if shard is not None:
                     value = local_slice(value, dim=shard.dim, size=shard.size, rank=shard.rank, chunks=shard.chunks)

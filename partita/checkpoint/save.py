@@ -22,7 +22,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
@@ -99,8 +99,13 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     async_save: bool | None = None,
+    capture_fn: Callable[..., Snapshot] = capture,
 ) -> bool:
-    """Save the complete training state under ``save_dir/<tag>``; see :meth:`partita.engine.Engine.save_checkpoint`."""
+    """Save the complete training state under ``save_dir/<tag>``; see :meth:`partita.engine.Engine.save_checkpoint`.
+
+    ``capture_fn(engine, tag=, client_state=, copy=)``: what this rank writes (a pipeline engine's
+    gathers its stages' sections, partita/pipe/checkpoint.py); called on every rank after the
+    handshake, on the training thread, so it may use collectives."""
     global _pending
     wait_for_pending_save()
     cfg = checkpoint_config(engine)
@@ -137,7 +142,7 @@ def save_checkpoint(
 
     check_accumulation_boundary(engine)
     started = time.perf_counter()
-    snapshot = capture(engine, tag=tag, client_state=client_state or {}, copy=async_save)
+    snapshot = capture_fn(engine, tag=tag, client_state=client_state or {}, copy=async_save)
     summary = _summary(engine)
 
     def job() -> None:

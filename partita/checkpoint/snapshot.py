@@ -145,7 +145,11 @@ def tensor_rank_files(engine: Engine, tensor_rank: int) -> list[str]:
 def shard_file_of(engine: Engine, shard_rank: int) -> str:
     """The file holding shard ``shard_rank``: the rank file of the data rank that owns it."""
     group = engine.topology.zero_group
-    return fmt.rank_file(dist.get_global_rank(group, shard_rank) if engine.topology.zero_size > 1 else 0)
+    if engine.topology.zero_size > 1:
+        return fmt.rank_file(dist.get_global_rank(group, shard_rank))
+    # One shard: the first rank of this rank's ZeRO group wrote it (rank 0, except on later
+    # pipeline stages, whose first rank writes its own stage's shards).
+    return fmt.rank_file(engine.topology.zero_group_ranks()[0])
 
 
 def writes_shards(engine: Engine, group=None) -> bool:
@@ -196,14 +200,22 @@ def capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: boo
 
 
 def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bool) -> Snapshot:
+    names = param_names(engine.module)
+    tensor_sharded = _trainable_tensor_shards(engine, names)  # every rank: a refusal must not be rank 0's alone
+    snapshot = Snapshot(files=[rank_file_plan(engine, names, copy=copy)])
+    if dist.get_rank() != 0:
+        return snapshot
+    model_plan, state_plan, meta = shared_plan(engine, names, tensor_sharded, tag=tag, client_state=client_state, copy=copy)
+    snapshot.files += [model_plan, state_plan]
+    snapshot.meta = meta
+    return snapshot
+
+
+def rank_file_plan(engine: Engine, names: dict[torch.nn.Parameter, str], *, copy: bool) -> FilePlan:
+    """This rank's file: its generator states and its shards of the fp32 masters and optimizer state."""
     rank = dist.get_rank()
     optimizer = engine.optimizer
     inner = optimizer.inner
-    names = param_names(engine.module)
-    tensor_sharded = _trainable_tensor_shards(engine, names)  # every rank: a refusal must not be rank 0's alone
-    snapshot = Snapshot()
-
-    # ---- this rank's file: generator states and its shards
     rng_json, rng_tensors = capture_rng()
     entries = [TensorEntry.of(k, _own(v, copy)) for k, v in rng_tensors.items()]
     # Tensor parallelism: parameters the tensor ranks replicate are written once, by tensor rank 0.
@@ -223,11 +235,15 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
             if kinds.local:
                 # Unknown state may involve the padding elements; keep the whole partition.
                 entries.append(TensorEntry.of(fmt.local_state_key(g, LOCAL_MASTER), _own(group.master, copy)))
-    snapshot.files.append(FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)}))
-    if rank != 0:
-        return snapshot
+    return FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)})
 
-    # ---- rank 0: model, shared state, meta
+
+def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sharded: set[str], *, tag: str,
+                client_state: dict[str, Any], copy: bool,
+                model_file: str = fmt.MODEL_FILE) -> tuple[FilePlan, FilePlan, dict[str, Any]]:
+    """Rank 0's part (the model file, the state file and meta.json) from this rank's module and
+    optimizer. A pipeline save (partita/pipe/checkpoint.py) calls it on every stage's first rank,
+    with a model file per stage, and merges the stages' model and optimizer sections."""
     sink: dict[str, torch.Tensor] = {}
     full_state = engine.module.state_dict()
     # Non-tensor entries come from modules' get_extra_state(); they go to meta.json as JSON.
@@ -237,7 +253,7 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
     # tensor-parallel shards, whose whole tensors no rank holds.
     sharded = sharded_param_keys(engine) | tensor_sharded
     model_state = {k: v for k, v in unique.items() if k not in sharded}
-    snapshot.files.append(FilePlan(fmt.MODEL_FILE, [TensorEntry.of(k, _own(v, copy)) for k, v in model_state.items()]))
+    model_plan = FilePlan(model_file, [TensorEntry.of(k, _own(v, copy)) for k, v in model_state.items()])
     meta = {
         "format": fmt.FORMAT_NAME,
         "format_version": fmt.FORMAT_VERSION,
@@ -257,7 +273,7 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
         },
         "config": encode(engine.config.to_dict() if engine.config is not None else {}, path="config", sink=sink),
         "model": {
-            "file": fmt.MODEL_FILE,
+            "file": model_file,
             "keys": list(full_state.keys()),
             "aliases": aliases,
             "extra_state": {k: encode(v, path=f"model[{k!r}]", sink=sink) for k, v in extra.items()},
@@ -274,9 +290,7 @@ def _capture(engine: Engine, *, tag: str, client_state: dict[str, Any], copy: bo
         "rank_files": [fmt.rank_file(r) for r in range(dist.get_world_size())],
         "state_file": fmt.STATE_FILE,
     }
-    snapshot.files.append(FilePlan(fmt.STATE_FILE, [TensorEntry.of(k, _own(v, True)) for k, v in sink.items()]))
-    snapshot.meta = meta
-    return snapshot
+    return model_plan, FilePlan(fmt.STATE_FILE, [TensorEntry.of(k, _own(v, True)) for k, v in sink.items()]), meta
 
 
 def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -271,11 +271,25 @@ class PipelineEngine(Engine):
         raise PipelineError("a pipeline engine steps inside engine.train_batch(data_iter); "
                             "engine.step() is not available in pipeline mode")
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
-        raise NotImplementedError("checkpoints of a pipeline engine (layer-keyed) are not implemented yet")
+    # ------------------------------------------------------------------ checkpoints (partita/pipe/checkpoint.py)
+    def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, *, async_save: bool | None = None) -> bool:
+        """DeepSpeed's signature; keyed by layer, so it loads at any stage count, data size and ZeRO stage."""
+        from partita.pipe import checkpoint
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("checkpoints of a pipeline engine (layer-keyed) are not implemented yet")
+        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                          async_save=async_save)
+
+    def load_checkpoint(self, load_dir: str | None = None, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """DeepSpeed's signature; a checkpoint saved with any number of stages (``tag=None``: ``latest``)."""
+        from partita.pipe import checkpoint
+
+        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
 
     def save_16bit_model(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("save_16bit_model of a pipeline engine is not implemented yet (each stage holds "
