@@ -13,7 +13,7 @@ On a CPU at a tiny size (what CI-sized machines can run; figures mean little the
 Prints one line per engine and mode: tokens/s, peak memory (GPU only), and the ratio to
 DeepSpeed's same mode. DeepSpeed's layer needs torch.distributed (a one-process group is
 started here) and its expert groups (``set_deepspeed_parallelism``); when DeepSpeed is missing
-or refuses, its rows say why and the partita rows still print. Not measured yet on a GPU.
+or refuses, its rows say why and the partita rows still print. Not measured yet on a GPU. For the whole MoE GPT on one GPU see benchmarks/moe_gpu.py.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def main() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:  # DeepSpeed's layer asks deepspeed.comm, which adopts the group started above
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    except ImportError:
+        pass  # its rows say why
     print(f"# MoE layer, {device}, {args.dtype}: d_model {args.d_model}, ffn {args.ffn}, {args.experts} experts, "
           f"top-2, {args.tokens} tokens/step, capacity factor {args.capacity_factor}")
     results: dict[tuple[str, str], tuple[float, float | None] | str] = {}
