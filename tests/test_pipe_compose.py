@@ -134,7 +134,8 @@ def train_runs(runs: list[dict]) -> list[dict]:
         losses, norms, applied, scales, lines = [], [], [], [], []
         for step in range(STEPS):
             poison = None
-            if run.get("poison_step") == step and engine.is_last_stage() and engine.topology.data_rank == 0:
+            if run.get("poison_step") == step and engine.is_last_stage() and engine.topology.data_rank == 0 \
+                    and engine.topology.tensor_rank == 0:
                 # An inf in one gradient of one rank of the last stage only.
                 weight = model.get_submodule(str(N_BLOCKS + 1)).weight
                 poison = weight.register_hook(lambda g: torch.full_like(g, math.inf))
@@ -227,3 +228,31 @@ def test_pipe_2_by_data_2_zero2_precision_and_monitors() -> None:
         assert bf16["applied"] == [True, True]
         assert bf16["losses"] == pytest.approx(expected["losses"], rel=2e-2)
         assert bf16["norms"] == pytest.approx(expected["norms"], rel=5e-2)
+
+
+def test_pipe_2_by_tensor_2_matches_torch() -> None:
+    runs = [
+        {"stages": 2, "micro_batches": 2, "schedule": "1f1b", "zero_stage": 1, "tensor": 2},
+        {"stages": 2, "micro_batches": 4, "schedule": "interleaved_1f1b", "zero_stage": 0, "tensor": 2,
+         "virtual_stages": 2},
+        # The inf on tensor rank 0 of the last stage only: both stages and both tensor ranks skip.
+        {"stages": 2, "micro_batches": 2, "precision": "fp16", "zero_stage": 0, "tensor": 2, "poison_step": 0},
+    ]
+    results = run_distributed(train_runs, 4, runs)
+    assert [r[0]["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    # fc by columns, proj by rows: each tensor rank holds half of every block's MLP.
+    shard = results[0][0]["state"]["1.fc.weight"]
+    assert tuple(shard[0].shape) == (HIDDEN // 2, DIM) and shard[1][0] == 0
+    _check_parity(results, runs, 0)
+    _check_parity(results, runs, 1)
+    for rank_results in results:
+        fp16 = rank_results[2]
+        assert fp16["applied"] == [False, True] and fp16["skipped"] == 1 and fp16["scales"] == [2.0 ** 7] * 2
+        assert fp16["losses"][1] == fp16["losses"][0]
+
+
+def test_pipe_2_by_tensor_2_by_data_2_matches_torch() -> None:
+    runs = [{"stages": 2, "micro_batches": 2, "schedule": "1f1b", "zero_stage": 2, "tensor": 2}]
+    results = run_distributed(train_runs, 8, runs)
+    assert [r[0]["coords"] for r in results][:4] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    _check_parity(results, runs, 0)

@@ -50,8 +50,9 @@ class PipelineConfig(StrictSection):
     )
     pipe_partitioned: bool = Field(
         True,
-        description="DeepSpeed: split stage activations across tensor ranks. Only meaningful with tensor parallelism, "
-                    "which partita does not combine with pipelines yet. Default true.",
+        description="DeepSpeed: split stage activations across tensor ranks for the send. Accepted; partita sends "
+                    "each tensor rank's whole activation to the same tensor rank of the next stage (no split and "
+                    "all-gather). Default true.",
     )
     grad_partitioned: bool = Field(
         True,

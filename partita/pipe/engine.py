@@ -37,6 +37,7 @@ from partita.distributed import collectives
 from partita.engine import Engine
 from partita.pipe.bubble import BubbleTimer
 from partita.pipe.module import PipelineModule
+from partita.pipe.setup import norm_group
 from partita.pipe.schedule import ScaledLoss, build_schedule, build_stages, check_micro_batches
 from partita.tensor_containers import map_tensors
 
@@ -88,8 +89,10 @@ class PipelineEngine(Engine):
         self._train_schedule = build_schedule(self.schedule_name, self._stages, self.micro_batches, loss_fn)
         self._eval: Any = None  # built at the first eval_batch
         self._last_stage_rank = dist.get_global_rank(topology.pipe_group, topology.pipe_size - 1)
-        if topology.pipe_size > 1:
-            self.optimizer.count_norm_across(topology.pipe_group, uncounted_params=module.uncounted_in_norm())
+        group = norm_group(topology)  # pipe (x tensor): every stage's gradients in the clipping norm
+        if group is not None:
+            self.optimizer.count_norm_across(group, uncounted_params=module.uncounted_in_norm(),
+                                             covers_tensor_group=topology.tensor_size > 1)
         self._data_iterator: Iterator | None = (
             _repeat(self.training_dataloader) if self.training_dataloader is not None else None
         )

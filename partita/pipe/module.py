@@ -311,6 +311,34 @@ class PipelineModule(nn.Module):
                                       counts_in_norm=self.stage_id == owners[0]))
         return mine
 
+    def rebind_layers(self) -> None:
+        """Point each chunk at the layers registered on this module now: tensor parallelism
+        (partita/tensor_parallel) replaces a layer given as a bare ``nn.Linear`` in its parent,
+        which for a top-level layer is this module, not the chunk that runs it. Tied modules
+        must not be replaced (their forward_fn and tie groups hold them): an error says so."""
+        for key, module in self.tied_modules.items():
+            for chunk in self.chunks:
+                if key in chunk.tied_modules and chunk.tied_modules[key] is not module:
+                    raise NotImplementedError(
+                        f"tensor parallelism split the tied layer {key!r} (TiedLayerSpec): tied layers stay replicated "
+                        "under pipelines; change tensor_parallel.partition_config.layer_specs so no rule matches "
+                        f"'tied_modules.{key}'"
+                    )
+        for tied in self._tied_groups:
+            current = {id(p) for p in tied.module.parameters()}
+            if any(id(p) not in current for p in tied.params):
+                raise NotImplementedError(
+                    f"tensor parallelism split a parameter of the tied layer {tied.key!r} (TiedLayerSpec): tied layers "
+                    "stay replicated under pipelines; change tensor_parallel.partition_config.layer_specs so no rule "
+                    f"matches inside 'tied_modules.{tied.key}'"
+                )
+        for chunk in self.chunks:
+            for k, index in enumerate(chunk.layer_indices):
+                current = self._modules.get(str(index))
+                if isinstance(chunk._calls[k], nn.Module) and current is not None and current is not chunk._calls[k]:
+                    chunk._calls[k] = current
+                    chunk._modules[str(index)] = current
+
     # ------------------------------------------------------------------ queries
     def tied_groups(self) -> list[TiedGroup]:
         """This rank's tied keys (only those it owns)."""

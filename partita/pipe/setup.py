@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from partita.config.base import ConfigError
 from partita.distributed import collectives
 from partita.distributed.topology import Topology
 from partita.pipe.module import PipelineModule
 
-__all__ = ["pipe_size_for", "prepare_pipeline"]
+__all__ = ["norm_group", "pipe_size_for", "prepare_pipeline"]
 
 
 def pipe_size_for(cfg: Any, model: Any) -> int:
@@ -49,12 +50,19 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
             "2 (optimizer states, fp32 masters and gradient partitions sharded inside each stage's data-parallel "
             "group) or 1; the pipeline already splits the parameters across stages"
         )
-    if topology.tensor_size > 1 or topology.sequence_size > 1:
+    if topology.sequence_size > 1:
         raise NotImplementedError(
-            f"pipeline parallelism with tensor ({topology.tensor_size}) or sequence ({topology.sequence_size}) "
-            "parallelism is not implemented yet: use pipe x data only (tensor_parallel.autotp_size and "
-            "sequence_parallel_size 1)"
+            f"pipeline parallelism with sequence parallelism (sequence_parallel_size={topology.sequence_size}) is not "
+            "implemented yet: use pipe x tensor x data (sequence_parallel_size 1)"
         )
+    if cfg.tensor_parallel.sequence_parallel and topology.tensor_size > 1:
+        raise NotImplementedError(
+            "tensor_parallel.sequence_parallel with pipeline parallelism is not implemented yet (stages would pass "
+            "sequence shards): set it to false"
+        )
+    if cfg.flops_profiler.enabled:
+        raise NotImplementedError("flops_profiler with pipeline parallelism is not implemented yet (it profiles "
+                                  "one forward and backward, a pipeline runs many per batch): disable it")
     if cfg.zero_optimization.offload_optimizer.enabled:
         raise NotImplementedError("offload_optimizer with pipeline parallelism is not implemented yet; remove it")
     if cfg.precision != "fp32" and cfg.data_types.grad_accum_dtype == "fp32":
@@ -75,9 +83,27 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
             f"pipeline.virtual_stages={pipeline.virtual_stages} disagrees with the PipelineModule's virtual_stages="
             f"{model.virtual_stages}: build it with PipelineModule(..., virtual_stages={pipeline.virtual_stages})"
         )
+    model.rebind_layers()  # tensor parallelism ran first and may have replaced top-level layers
     with torch.no_grad():
         for tied in model.tied_groups():
             if tied.group is not None:
                 for tensor in list(tied.module.parameters()) + list(tied.module.buffers()):
                     collectives.broadcast(tensor.data, src=tied.src_rank, group=tied.group,
                                           purpose=f"tied-layer {tied.key!r} weight broadcast")
+
+
+def norm_group(topology: Topology) -> Any:
+    """The group the global gradient norm is summed over beyond ZeRO's: the pipe axis, or with
+    tensor parallelism the ranks of one (data, sequence) position across pipe x tensor, so every
+    stage's and every tensor shard's gradients enter clipping and the fp16 overflow check.
+    Collective over the world when it creates a group (every rank calls it, in the same order).
+    None when the model is not split (pipe 1)."""
+    if topology.pipe_size == 1:
+        return None
+    if topology.tensor_size == 1:
+        return topology.pipe_group
+    # The mesh's rank grid, (pipe, data, sequence, tensor): one list per (data, sequence) position.
+    grid = topology.mesh.mesh.permute(1, 2, 0, 3)
+    lists = [[int(r) for r in row] for row in grid.reshape(-1, topology.pipe_size * topology.tensor_size).tolist()]
+    group, _ = dist.new_subgroups_by_enumeration(lists)
+    return group

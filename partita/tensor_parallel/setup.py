@@ -48,13 +48,18 @@ def apply_config(
 
 
 def _plan(model: nn.Module, config: TensorParallelConfig) -> TensorParallelPlan:
+    from partita.pipe.module import PipelineModule
+
+    # A pipeline stage holds some layers only: a rule may match nothing here (another stage's
+    # layers), and a stage without splittable layers keeps them replicated.
+    staged = isinstance(model, PipelineModule)
     custom = {}
     names = [name for name, _ in model.named_modules() if name]
     for spec in config.partition_config.layer_specs:
         for pattern in spec.patterns:
             regex = re.compile(pattern)
             hits = [n for n in names if regex.search(n) and _is_matmul(model.get_submodule(n))]
-            if not hits:
+            if not hits and not staged:
                 raise ValueError(
                     f"tensor_parallel.partition_config.layer_specs pattern {pattern!r} matches no nn.Linear of "
                     f"{type(model).__name__}; module names look like {names[:6]}…"
@@ -62,6 +67,8 @@ def _plan(model: nn.Module, config: TensorParallelConfig) -> TensorParallelPlan:
             for name in hits:
                 custom.setdefault(name, Style("column" if spec.partition_type == "column" else "row"))
     builtin = plan_for(model, sequence_parallel=config.sequence_parallel) if config.partition_config.use_default_specs else None
+    if builtin is None and not custom and staged and config.partition_config.layer_specs:
+        return TensorParallelPlan({})
     if builtin is None and not custom:
         raise ValueError(
             f"tensor parallelism: partita has no built-in plan for {type(model).__name__}; give "

@@ -98,22 +98,27 @@ class ShardedOptimizer:
         # are their slices of each group's gradient partition.
         self._model_parallel_group = model_parallel_group
         uncounted = {id(p) for p in uncounted_params}
+        self._uncounted_ids = set(uncounted)
         self._uncounted_slices = [
             [slice(spec.partition_offset, spec.partition_offset + (end - start))
              for param, spec, (start, end) in group.owned_slices() if id(param) in uncounted and end > start]
             for group in groups
         ]
 
-    def count_norm_across(self, group: dist.ProcessGroup, *, uncounted_params: Collection[torch.Tensor] = ()) -> None:
+    def count_norm_across(self, group: dist.ProcessGroup, *, uncounted_params: Collection[torch.Tensor] = (),
+                          covers_tensor_group: bool = False) -> None:
         """Sum the global gradient norm over ``group`` too (pipeline stages, partita/pipe): each
         stage holds different parameters, like the tensor axis; ``uncounted_params`` are this
         rank's copies of parameters another rank of ``group`` counts (a tied embedding's second owner).
-        One model-parallel group only: pipe x tensor would need a group over both."""
-        if self._model_parallel_group is not None:
-            raise NotImplementedError("the gradient norm already sums over the tensor axis; pipeline x tensor "
-                                      "parallelism is not implemented yet")
+        One model-parallel group only: with tensor parallelism ``group`` must span pipe x tensor
+        (``covers_tensor_group=True``) and replaces the tensor group; a parameter uncounted for
+        both reasons is subtracted once."""
+        if self._model_parallel_group is not None and not covers_tensor_group:
+            raise NotImplementedError("the gradient norm already sums over the tensor axis: pass a group over "
+                                      "pipe x tensor with covers_tensor_group=True")
         self._model_parallel_group = group
-        uncounted = {id(p) for p in uncounted_params}
+        uncounted = {id(p) for p in uncounted_params} - self._uncounted_ids
+        self._uncounted_ids |= uncounted
         for slices, shard_group in zip(self._uncounted_slices, self.groups):
             slices.extend(slice(spec.partition_offset, spec.partition_offset + (end - start))
                           for param, spec, (start, end) in shard_group.owned_slices() if id(param) in uncounted and end > start)
