@@ -49,15 +49,18 @@ def _config(micro_batches: int, zero_stage: int) -> dict:
     }
 
 
-def _engine(stages: int, zero_stage: int, specs=None):
+def _engine(stages: int, zero_stage: int, specs=None, virtual_stages: int = 1):
     import partita
     import torch.distributed as dist
     from partita.pipe import PipelineModule
 
     micro_batches = GLOBAL // MICRO // (dist.get_world_size() // stages)
     model = PipelineModule(specs or layer_specs(), num_stages=stages, loss_fn=lm_loss, partition_method="uniform",
-                           seed_layers=True, base_seed=BASE_SEED)
-    engine, *_ = partita.initialize(model=model, config=_config(micro_batches, zero_stage))
+                           seed_layers=True, base_seed=BASE_SEED, virtual_stages=virtual_stages)
+    config = _config(micro_batches, zero_stage)
+    if virtual_stages > 1:
+        config["pipeline"]["schedule"] = "interleaved_1f1b"
+    engine, *_ = partita.initialize(model=model, config=config)
     return engine
 
 
@@ -100,7 +103,8 @@ def _save_then_reshard_on_4(save_dir: str) -> dict:
     out: dict = {}
     engine = _engine(2, zero_stage=1)  # pipe 2 x data 2
     out["losses_before"] = _train(engine, range(SAVED_STEPS))
-    engine.save_checkpoint(save_dir, tag="pipe2x2", client_state={"note": "from pipe 2 x data 2"})
+    # Asynchronous: written from a CPU copy while the run goes on (the next load waits for it).
+    engine.save_checkpoint(save_dir, tag="pipe2x2", client_state={"note": "from pipe 2 x data 2"}, async_save=True)
     out["saved"] = _state(engine)
     out["continued"] = _train(engine, range(SAVED_STEPS, SAVED_STEPS + NEXT_STEPS))
 
@@ -124,13 +128,16 @@ def _save_then_reshard_on_4(save_dir: str) -> dict:
     return out
 
 
-def _reshard_on(save_dir: str, stages: int, zero_stage: int) -> dict:
+def _reshard_on(save_dir: str, stages: int, zero_stage: int, virtual_stages: tuple[int, ...] = (1,)) -> list[dict]:
     import partita
 
     partita.init_distributed()
-    engine = _engine(stages, zero_stage)
-    engine.load_checkpoint(save_dir)
-    return {"state": _state(engine), "losses": _train(engine, range(SAVED_STEPS, SAVED_STEPS + NEXT_STEPS))}
+    out = []
+    for virtual in virtual_stages:
+        engine = _engine(stages, zero_stage, virtual_stages=virtual)
+        engine.load_checkpoint(save_dir)
+        out.append({"state": _state(engine), "losses": _train(engine, range(SAVED_STEPS, SAVED_STEPS + NEXT_STEPS))})
+    return out
 
 
 # ---------------------------------------------------------------------------- helpers of the checks
@@ -217,14 +224,16 @@ def test_pipe_4_loads_pipe_2_by_data_2(saved_run) -> None:
         assert r["pipe4"]["losses"] == pytest.approx(r["continued"], rel=1e-6, abs=0)
 
 
-def test_pipe_2_by_data_1_and_one_process_load_it(saved_run) -> None:
+def test_pipe_2_by_data_1_interleaved_and_one_process_load_it(saved_run) -> None:
     save_dir, results = saved_run
     saved = [r["saved"] for r in results]
-    for world, stages, zero_stage in ((2, 2, 1), (1, 1, 0)):
-        got = run_distributed(_reshard_on, world, str(save_dir), stages, zero_stage)
-        _assert_identical([g["state"] for g in got], saved)
-        for g in got:
-            assert g["losses"] == pytest.approx(results[0]["continued"], rel=1e-6, abs=0), (world, stages)
+    # pipe 2 x data 1 also with 2 model chunks per rank (interleaved 1F1B: rank 0 holds layers 0-1 and 4-5).
+    for world, stages, zero_stage, virtual in ((2, 2, 1, (1, 2)), (1, 1, 0, (1,))):
+        runs = run_distributed(_reshard_on, world, str(save_dir), stages, zero_stage, virtual)
+        for v, got in zip(virtual, zip(*runs)):
+            _assert_identical([g["state"] for g in got], saved)
+            for g in got:
+                assert g["losses"] == pytest.approx(results[0]["continued"], rel=1e-6, abs=0), (world, stages, v)
 
 
 def test_tied_layer_stored_once(saved_run) -> None:
