@@ -1,6 +1,6 @@
 """CPU benchmark: partita's pipeline schedules against DeepSpeed's PipelineEngine, 4 gloo processes.
 
-    python benchmarks/pipeline_cpu.py [--micro-batches 4,8,16] [--launches 2] [--rounds 3] [--steps 4] \
+    python benchmarks/pipeline_cpu.py [--micro-batches 4,8,16] [--launches 1] [--rounds 3] [--steps 4] \
         [--json benchmarks/results/pipeline_cpu_<date>.json]
 
 The model is 16 pre-norm residual MLP blocks (d 256, hidden 1024; ``pipeline_cpu_worker.Block``),
@@ -11,9 +11,11 @@ partita runs every schedule it offers (``gpipe``, ``1f1b``, ``interleaved_1f1b``
 (``deepspeed.pipe.PipelineModule`` + ``deepspeed.initialize`` + ``train_batch``), on the same
 layers, seeds, partition and micro-batches.
 
-One ``torchrun --nproc-per-node 4`` launch per engine (the DeepSpeed one from ``--ds-python``,
-a venv with DeepSpeed); launches alternate partita / DeepSpeed ``--launches`` times, and inside a
-launch the configurations take turns over ``--rounds`` rounds (``pipeline_cpu_worker``). Figures:
+Each of ``--launches`` ``torchrun --nproc-per-node 4`` jobs runs every configuration of both
+engines in one gloo process group (``--ds-python``: a venv with DeepSpeed and partita, as
+docs/performance.md's benchmark environment); the configurations take turns over ``--rounds``
+rounds, in an order rotated each round (``pipeline_cpu_worker``), so both engines see the same
+load of a shared machine. Figures:
 
 - step ms: the median over all timed batches of the slowest rank's ``train_batch`` (each batch
   starts after a barrier);
@@ -24,6 +26,8 @@ launch the configurations take turns over ``--rounds`` rounds (``pipeline_cpu_wo
   engines and schedules: the same weights and data).
 
 Every process runs with one torch thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``).
+The driver records, per launch, the share of the machine's CPU time that other jobs took
+(``/proc/stat`` minus this launch's own); ``--nice -10`` keeps the benchmark ahead of them.
 """
 
 from __future__ import annotations
@@ -48,17 +52,20 @@ from pipeline_theory import formula_bubble, simulated_bubble  # noqa: E402
 PARTITA_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2))
 
 
-def launch(engine: str, configs: list[tuple[str, int, int]], args, port: int) -> dict:
-    """One torchrun job of the worker; returns its per-rank results and the machine's share of
-    CPU time that went to other jobs meanwhile."""
-    python = sys.executable if engine == "partita" else args.ds_python
+def launch(configs: list[tuple[str, str, int, int]], args, port: int) -> dict:
+    """One torchrun job of the worker over ``(engine, schedule, virtual, micro_batches)`` configs;
+    returns its per-rank results and the machine's share of CPU time other jobs took meanwhile."""
+    with_ds = any(c[0] == "deepspeed" for c in configs)
+    python = args.ds_python if with_ds else sys.executable
     with tempfile.TemporaryDirectory() as out:
         cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages), "--master-port", str(port),
-               os.path.join(HERE, "pipeline_cpu_worker.py"), "--engine", engine,
-               "--configs", ",".join(f"{s}:{v}:{m}" for s, v, m in configs), "--rounds", str(args.rounds),
+               os.path.join(HERE, "pipeline_cpu_worker.py"),
+               "--configs", ",".join(":".join(map(str, c)) for c in configs), "--rounds", str(args.rounds),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out]
+        if args.nice:
+            cmd = ["nice", "-n", str(args.nice)] + cmd  # the same for both engines
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-        if engine == "deepspeed":
+        if with_ds:
             env["DS_ACCELERATOR"] = "cpu"
         busy0, own0, t0 = cpu_busy_seconds(), children_cpu_seconds(), time.monotonic()
         load0 = os.getloadavg()[0]
@@ -66,9 +73,9 @@ def launch(engine: str, configs: list[tuple[str, int, int]], args, port: int) ->
         wall = time.monotonic() - t0
         other = (cpu_busy_seconds() - busy0) - (children_cpu_seconds() - own0)
         if proc.returncode != 0:
-            return {"engine": engine, "error": _last_error(proc.stderr + proc.stdout), "wall_s": wall}
-        ranks = [json.load(open(os.path.join(out, f"{engine}.{r}.json"))) for r in range(args.stages)]
-    return {"engine": engine, "wall_s": wall, "load_average_start": load0,
+            return {"error": _last_error(proc.stderr + proc.stdout), "wall_s": wall}
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+    return {"wall_s": wall, "load_average_start": load0,
             "other_jobs_cpu_share": max(0.0, other) / (wall * (os.cpu_count() or 1)), "ranks": ranks}
 
 
@@ -79,7 +86,7 @@ def _last_error(text: str) -> str:
 
 
 def summarize(launches: list[dict], stages: int) -> list[dict]:
-    """One row per (engine, schedule, micro-batches) over all launches of its engine."""
+    """One row per (engine, schedule, micro-batches) over all launches."""
     rows: dict[tuple, dict] = {}
     for job in launches:
         if "ranks" not in job:
@@ -146,33 +153,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=4, help="processes = pipeline stages")
     parser.add_argument("--micro-batches", default="4,8,16")
-    parser.add_argument("--launches", type=int, default=2, help="alternating partita / DeepSpeed launches each")
+    parser.add_argument("--launches", type=int, default=1, help="torchrun jobs, each running every configuration")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed batches per configuration per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ds-python", default=os.path.join(REPO, ".bench-venv", "bin", "python"))
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run every launch under nice -n N (negative, as root: ahead of other jobs on a shared machine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ms = [int(x) for x in args.micro_batches.split(",")]
-    partita_cfgs = [(s, v, m) for m in ms for s, v in PARTITA_SCHEDULES]
-    ds_cfgs = [("1f1b", 1, m) for m in ms]
+    configs = [("partita", s, v, m) for m in ms for s, v in PARTITA_SCHEDULES]
+    if not args.no_deepspeed:
+        # Each m's DeepSpeed run next to partita's runs of that m (the worker rotates the order per round).
+        configs = [c for m in ms for c in [x for x in configs if x[3] == m] + [("deepspeed", "1f1b", 1, m)]]
     started = datetime.datetime.now(datetime.timezone.utc)
     jobs = []
     for i in range(args.launches):
-        order = ["partita", "deepspeed"] if i % 2 == 0 else ["deepspeed", "partita"]
-        for engine in order:
-            if engine == "deepspeed" and args.no_deepspeed:
-                continue
-            job = launch(engine, partita_cfgs if engine == "partita" else ds_cfgs, args, 29640 + len(jobs))
-            job["launch"] = i
-            jobs.append(job)
-            print(f"launch {i} {engine}: {job['wall_s']:.0f} s" + (f", error: {job['error']}" if "error" in job else
-                  f", other jobs' CPU share {job['other_jobs_cpu_share']:.2f}"), flush=True)
+        job = launch(configs, args, 29640 + i)
+        job["launch"] = i
+        jobs.append(job)
+        print(f"launch {i}: {job['wall_s']:.0f} s" + (f", error: {job['error']}" if "error" in job else
+              f", other jobs' CPU share {job['other_jobs_cpu_share']:.2f}"), flush=True)
     rows = summarize(jobs, args.stages)
     table = markdown(rows)
     print(table)
-    errors = [{"engine": j["engine"], "launch": j["launch"], "error": j["error"]} for j in jobs if "error" in j]
+    errors = [{"launch": j["launch"], "error": j["error"]} for j in jobs if "error" in j]
     if args.json:
         from common import versions
 

@@ -1,12 +1,13 @@
 """One rank of the pipeline benchmark (``benchmarks/pipeline_cpu.py`` launches it under torchrun).
 
-    OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] torchrun --nproc-per-node 4 benchmarks/pipeline_cpu_worker.py \
-        --engine {partita,deepspeed} --configs gpipe:1:8,1f1b:1:8,... --rounds 3 --steps 4 --warmup 2 --out DIR
+    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu torchrun --nproc-per-node 4 benchmarks/pipeline_cpu_worker.py \
+        --configs partita:1f1b:1:8,deepspeed:1f1b:1:8,... --rounds 3 --steps 4 --warmup 2 --out DIR
 
-Every configuration (schedule : virtual stages : micro-batches) gets its own PipelineModule and
-engine, all built first in this one process group; then ``rounds`` rounds run ``steps`` timed
-batches of every configuration, in an order rotated each round, so drift of the shared machine
-spreads over all of them.
+Every configuration (engine : schedule : virtual stages : micro-batches) gets its own
+PipelineModule and engine, all built first in this one gloo process group (DeepSpeed and partita
+both adopt it); then ``rounds`` rounds run ``steps`` timed batches of every configuration, in an
+order rotated each round, so drift of the shared machine spreads over both engines and all
+schedules alike.
 
 Idle (bubble) time per stage, the same method for both engines (and the one partita's own
 ``pipeline.measure_bubble`` timers use): the schedule's wall time minus the time spent inside its
@@ -179,41 +180,43 @@ def run_batch(engine, micro_batches: int, step: int, clock: Clock) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--engine", choices=("partita", "deepspeed"), required=True)
-    p.add_argument("--configs", required=True, help="comma-separated schedule:virtual:micro_batches")
+    p.add_argument("--configs", required=True, help="comma-separated engine:schedule:virtual:micro_batches")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.engine == "partita":
-        import partita
-
-        partita.init_distributed()
-    else:
-        import deepspeed
-
-        dist.init_process_group(backend="gloo")
-        deepspeed.init_distributed(dist_backend="gloo")  # adopts the gloo group
-    rank = dist.get_rank()
     configs = []
     for item in args.configs.split(","):
-        schedule, virtual, m = item.split(":")
-        configs.append((schedule, int(virtual), int(m)))
+        engine, schedule, virtual, m = item.split(":")
+        configs.append((engine, schedule, int(virtual), int(m)))
+    # Both engines in one process group, so their batches take turns on the same machine minutes.
+    dist.init_process_group(backend="gloo")
+    if any(c[0] == "deepspeed" for c in configs):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the gloo group
+    if any(c[0] == "partita" for c in configs):
+        import partita
+
+        partita.init_distributed()  # adopts it too
+    rank = dist.get_rank()
     runs = []
-    for schedule, virtual, m in configs:
+    for engine_name, schedule, virtual, m in configs:
         clock = Clock()
         started = time.perf_counter()
-        if args.engine == "partita":
+        if engine_name == "partita":
             engine = build_partita(schedule, virtual, m, clock)
         else:
             engine = build_deepspeed(m, clock)
-        runs.append({"engine": args.engine, "schedule": schedule, "virtual_stages": virtual, "micro_batches": m,
+        runs.append({"engine": engine_name, "schedule": schedule, "virtual_stages": virtual, "micro_batches": m,
                      "rank": rank, "init_s": time.perf_counter() - started, "clock": clock, "impl": engine,
                      "steps": [], "warmup": [], "next_step": 0})
+    shift = max(1, len(runs) // max(1, args.rounds))
     for round_ in range(args.rounds):
-        order = runs[round_ % len(runs):] + runs[: round_ % len(runs)]
+        at = (round_ * shift) % len(runs)
+        order = runs[at:] + runs[:at]
         for run in order:
             n_warm = args.warmup if round_ == 0 else 0
             for i in range(n_warm + args.steps):
@@ -225,7 +228,7 @@ def main() -> None:
                 run["next_step"] += 1
                 (run["warmup"] if i < n_warm else run["steps"]).append(record)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.engine}.{rank}.json"), "w") as f:
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump([{k: v for k, v in r.items() if k not in ("clock", "impl", "next_step")} for r in runs], f)
 
 
