@@ -68,9 +68,10 @@ def load_checkpoint(
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore a checkpoint; see :meth:`partita.engine.Engine.load_checkpoint`.
 
-    ``check_layout(engine, meta, strict)``: replaces the per-rank comparison of the module's keys
-    and trainable parameters with the checkpoint's (a pipeline stage holds only some layers, so
-    partita/pipe/checkpoint.py compares the union over its stages); every rank calls it."""
+    ``check_layout(engine, meta, strict, parameters=)``: replaces the per-rank comparison of the
+    module's keys (``strict``) and trainable parameters (``parameters``: False for a weights-only
+    load) with the checkpoint's (a pipeline stage holds only some layers, so partita/pipe/checkpoint.py
+    compares the union over its stages); every rank calls it."""
     wait_for_pending_save()
     cfg = checkpoint_config(engine)
     if load_dir is None:
@@ -182,7 +183,7 @@ def _restore(
     meta = json.loads((path / fmt.META_FILE).read_text(encoding="utf-8"))
     strict = load_module_strict
     if check_layout is not None:
-        check_layout(engine, meta, load_module_strict)
+        check_layout(engine, meta, load_module_strict, parameters=not load_module_only)
         strict = False  # checked over every stage just now; this rank's keys are a part of them
     with ShardReader(path) as reader:
         tensor_of = lambda key: reader.tensor(meta["state_file"], key)  # noqa: E731

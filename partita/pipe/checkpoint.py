@@ -269,8 +269,9 @@ def _by_layer(keys: list[str], layout: dict[str, Any] | None) -> str:
     return "; ".join(shown) + more
 
 
-def check_layout(engine: PipelineEngine, meta: dict[str, Any], strict: bool) -> None:
-    """Compare the union of every stage's keys and trainable parameters with the checkpoint's.
+def check_layout(engine: PipelineEngine, meta: dict[str, Any], strict: bool, *, parameters: bool = True) -> None:
+    """Compare the union of every stage's keys (``strict``) and trainable parameters
+    (``parameters``; a weights-only load may train others) with the checkpoint's.
 
     Collective over the world; every rank raises the same error, naming the layers that differ.
     """
@@ -292,8 +293,8 @@ def check_layout(engine: PipelineEngine, meta: dict[str, Any], strict: bool) -> 
     order = lambda ks: sorted(ks, key=lambda k: (layer_position(k, layout) if layout else 0, k))  # noqa: E731
     # Trainable parameters must match in any case (their masters and moments are per parameter);
     # the other keys (buffers, frozen weights) only under load_module_strict, as for any engine.
-    missing_params = {n for n in params if n not in saved_params}
-    extra_params = {n for n in saved_params if n not in params}
+    missing_params = {n for n in params if n not in saved_params} if parameters else set()
+    extra_params = {n for n in saved_params if n not in params} if parameters else set()
     missing = order(missing_params | (keys - saved_keys if strict else set()))
     extra = order(extra_params | (saved_keys - keys if strict else set()))
     problems = []
@@ -308,7 +309,7 @@ def check_layout(engine: PipelineEngine, meta: dict[str, Any], strict: bool) -> 
             + ("" if missing_params or extra_params else
                " (or pass load_module_strict=False to skip keys that are not trainable parameters)")
         )
-    for name, shape in params.items():
+    for name, shape in params.items() if parameters else ():
         if list(saved_params[name]["shape"]) != shape:
             raise CheckpointMismatchError(
                 f"parameter '{name}' has shape {saved_params[name]['shape']} in the checkpoint and {shape} in this "
