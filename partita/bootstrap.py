@@ -33,6 +33,7 @@ from partita.distributed.topology import Axis, Topology, build_topology, resolve
 from partita.engine import Engine
 from partita.moe.registry import bind_experts
 from partita.monitor.setup import prepare_monitoring
+from partita.offload.auto_placement import resolve_tiered_placement
 from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
@@ -142,6 +143,10 @@ def initialize(
     # After checkpointing (a checkpointed block compiles inside its checkpoint); before ZeRO only to
     # fail fast: compiled regions are block forwards, so ZeRO-3's hooks stay eager either way.
     apply_compile_config(model, cfg.compile, zero_stage=cfg.zero_optimization.stage)
+    # offload_optimizer.device "auto": the estimator splits the optimizer state over accelerator,
+    # host memory and NVMe for the tiers' capacities (partita/offload/auto_placement.py).
+    cfg = resolve_tiered_placement(cfg, model, param_groups, world_size=topology.zero_size,
+                                   batch_world_size=topology.data_size, device=device, client_optimizer=optimizer)
 
     zero = apply_zero(
         model,

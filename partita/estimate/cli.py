@@ -58,13 +58,17 @@ def add_estimate_parser(commands: Any) -> None:
     setup.add_argument("--checkpointing", default=None, help="none, every, selective or every_k:K (default none)")
     setup.add_argument("--cpu-checkpointing", action="store_true", default=None,
                        help="keep checkpointed blocks' inputs in CPU memory")
-    setup.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default=None)
+    setup.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme", "auto"), default=None,
+                       help="auto: split over accelerator, host and NVMe (tiered placement; see the tier flags)")
     setup.add_argument("--offload-ratio", type=float, default=None, help="fraction offloaded, (0, 1] (default 1)")
     setup.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default=None, help="stage 3 only")
     setup.add_argument("--staging-bytes", default=None,
                        help="bytes per pinned offload staging buffer (default partita's, 64MiB)")
     setup.add_argument("--activation-bytes", default=None,
                        help="activations per rank for a model without a shape, e.g. 12GB")
+    from partita.estimate.tiers_cli import add_tier_arguments
+
+    add_tier_arguments(p)
     fit = p.add_argument_group("recommendation")
     fit.add_argument("--gpu-memory", default=None, help="accelerator memory per rank, e.g. 141GB or 80GiB")
     fit.add_argument("--cpu-memory", default=None, help="CPU memory available per rank (for offload), e.g. 200GB")
@@ -140,6 +144,10 @@ def run_estimate_command(args: argparse.Namespace) -> int:
         if args.gpu_memory is None:
             if args.cpu_memory is not None or args.headroom is not None:
                 raise EstimateError("--cpu-memory and --headroom only apply with --gpu-memory (a recommendation)")
+            if setup.offload_optimizer == "auto":  # tiered placement: the split per tier and the machine's bound
+                from partita.estimate.tiers_cli import run_tiered
+
+                return run_tiered(args, info, setup)
             estimate = estimate_memory(info, setup)
             print(json.dumps(estimate.to_dict(), indent=2) if args.json else estimate.table())
             return 0
