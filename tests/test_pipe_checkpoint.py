@@ -271,10 +271,13 @@ def test_tied_layer_stored_once(saved_run) -> None:
     assert {s["file"] for s in meta["optimizer"]["params"]["5.weight"]["shards"]} == {"rank00002.safetensors", "rank00003.safetensors"}
 
 
-def test_consolidate_gives_the_sequential_state_dict(saved_run, tmp_path) -> None:
+def test_consolidate_gives_the_sequential_state_dict(saved_run, tmp_path, capsys) -> None:
     save_dir, results = saved_run
     from partita.checkpoint.cli import main
     from partita.checkpoint.consolidate import load_consolidated
+
+    assert main(["inspect", str(save_dir)]) == 0 and "world 4 (pipe 2)  stage 1" in capsys.readouterr().out
+    assert main(["verify", str(save_dir)]) == 0
 
     assert main(["consolidate", str(save_dir), str(tmp_path / "out"), "--tag", "pipe2x2"]) == 0
     state = load_consolidated(tmp_path / "out")

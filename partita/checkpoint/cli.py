@@ -78,8 +78,10 @@ def _inspect(path: Path) -> int:
         size = sum(f["size"] for f in m["files"].values())
         saved = datetime.fromtimestamp(m.get("saved_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
         mark = "  <- latest" if info.tag == latest else ""
+        pipe = m.get("pipeline_parallel_size", 1)
+        world = f"{m.get('world_size')} (pipe {pipe})" if pipe > 1 else f"{m.get('world_size')}"
         print(
-            f"  {info.tag:<24} step {m.get('global_steps')}  samples {m.get('global_samples')}  world {m.get('world_size')}  "
+            f"  {info.tag:<24} step {m.get('global_steps')}  samples {m.get('global_samples')}  world {world}  "
             f"stage {m.get('zero_stage')}  {m.get('precision')}  {_human(size)} in {len(m['files'])} files  {saved}{mark}"
         )
     return 0

@@ -213,6 +213,7 @@ def _summary(engine: Engine) -> dict[str, Any]:
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "world_size": dist.get_world_size(),
+        "pipeline_parallel_size": engine.topology.pipe_size,
         "zero_stage": engine.zero.policy.stage,
         "precision": str(engine.compute_dtype).replace("torch.", ""),
     }
