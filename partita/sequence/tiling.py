@@ -17,7 +17,7 @@ module tile by tile without keeping anything but its input, and recomputes one t
 backward. Only one tile's logits / intermediate exist at any moment. The price is compute:
 
 - tiled loss: one more LM-head matmul (``2 T d V`` FLOPs, a third of the head's training cost;
-  about 2.6 % of a GPT-1.3B step at 2k tokens, less at longer ones where attention dominates);
+  about 2 % of a GPT-1.3B step at 2k tokens, less at longer ones where attention dominates);
 - tiled MLP: one more MLP forward (``16 T d^2`` FLOPs per block); with the block checkpointed too,
   the MLP's forward runs three times instead of two.
 
