@@ -10,6 +10,9 @@ count) is bit-identical to the saved run's, whatever the layout; the next 2 step
 saved layout exactly the losses of the run that never stopped, and the other layouts the same
 losses up to the summation order of their gradients (1e-6 relative: other micro-batch and
 data-rank splits add the same gradients in another order). Three spawns (4, 2, 1 ranks).
+
+A fourth spawn (4 ranks) saves test_pipe_compose's MLP model at pipe 2 x tensor 2 (the blocks'
+MLPs split) and loads it at the same layout and at pipe 2 x data 2 under ZeRO-2.
 """
 
 from __future__ import annotations
@@ -49,17 +52,21 @@ def _config(micro_batches: int, zero_stage: int) -> dict:
     }
 
 
-def _engine(stages: int, zero_stage: int, specs=None, virtual_stages: int = 1):
+def _engine(stages: int, zero_stage: int, specs=None, virtual_stages: int = 1, tensor: int = 1):
     import partita
     import torch.distributed as dist
     from partita.pipe import PipelineModule
 
-    micro_batches = GLOBAL // MICRO // (dist.get_world_size() // stages)
+    micro_batches = GLOBAL // MICRO // (dist.get_world_size() // (stages * tensor))
     model = PipelineModule(specs or layer_specs(), num_stages=stages, loss_fn=lm_loss, partition_method="uniform",
                            seed_layers=True, base_seed=BASE_SEED, virtual_stages=virtual_stages)
     config = _config(micro_batches, zero_stage)
     if virtual_stages > 1:
         config["pipeline"]["schedule"] = "interleaved_1f1b"
+    if tensor > 1:
+        from tests.test_pipe_compose import TP_SPECS
+
+        config["tensor_parallel"] = {"autotp_size": tensor, "partition_config": {"layer_specs": TP_SPECS}}
     engine, *_ = partita.initialize(model=model, config=config)
     return engine
 
@@ -141,6 +148,48 @@ def _reshard_on(save_dir: str, stages: int, zero_stage: int, virtual_stages: tup
     weights_only.load_checkpoint(save_dir, load_module_only=True)
     out.append({"module": {k: v.detach().clone() for k, v in weights_only.module.state_dict().items()},
                 "global_steps": weights_only.global_steps})
+    return out
+
+
+def _whole_optimizer_state(engine) -> dict:
+    """Each parameter's master and moments as this rank's local tensor, with its tensor-parallel
+    split (one data rank: a rank owns every element of its local shards)."""
+    from partita.checkpoint.snapshot import param_names
+    from partita.tensor_parallel.layers import tensor_shard_of
+
+    assert engine.topology.zero_size == 1
+    names, inner, out = param_names(engine.module), engine.optimizer.inner, {}
+    for group in engine.optimizer.groups:
+        state = inner.state[group.master]
+        for param, spec, (start, end) in group.owned_slices():
+            span = slice(spec.partition_offset, spec.partition_offset + end - start)
+            shard = tensor_shard_of(param)
+            out[names[param]] = ({k: t[span].reshape(spec.shape).clone() for k, t in
+                                  (("master", group.master), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))},
+                                 None if shard is None else (shard.dim, shard.full_shape, shard.full_ranges()))
+    return out
+
+
+def _tensor_pipeline_on_4(save_dir: str) -> dict:
+    """Saved at pipe 2 x tensor 2 (the blocks' MLPs split), loaded at the same layout and at
+    pipe 2 x data 2 under ZeRO-2 (whole tensors, sharded over the data ranks)."""
+    import partita
+    from tests.test_pipe_compose import _whole_state
+    from tests.test_pipe_compose import layer_specs as mlp_specs
+
+    partita.init_distributed()
+    out: dict = {}
+    saved = _engine(2, zero_stage=1, specs=mlp_specs(), tensor=2)
+    _train(saved, range(SAVED_STEPS))
+    saved.save_checkpoint(save_dir, tag="pipe2xtp2")
+    out["saved"] = {"weights": _whole_state(saved.module), "optimizer": _whole_optimizer_state(saved)}
+    out["continued"] = _train(saved, range(SAVED_STEPS, SAVED_STEPS + NEXT_STEPS))
+    same = _engine(2, zero_stage=1, specs=mlp_specs(), tensor=2)
+    same.load_checkpoint(save_dir)
+    out["same"] = _train(same, range(SAVED_STEPS, SAVED_STEPS + NEXT_STEPS))
+    zero2 = _engine(2, zero_stage=2, specs=mlp_specs())
+    zero2.load_checkpoint(save_dir)
+    out["zero2"] = {"state": _state(zero2), "losses": _train(zero2, range(SAVED_STEPS, SAVED_STEPS + NEXT_STEPS))}
     return out
 
 
@@ -319,3 +368,29 @@ def test_sequential_names_alias_a_tied_module_used_as_a_layer() -> None:
     assert renamed == {"tied_modules.e.weight": "0.weight", "1.linear.weight": "1.linear.weight",
                        "loss_fn.weight": "loss_fn.weight"}
     assert aliases == {"2.weight": "0.weight"}
+
+
+def test_pipe_2_by_tensor_2_loads_at_pipe_2_by_data_2_zero_2(tmp_path) -> None:
+    from tests.test_pipe_compose import _assemble
+
+    results = run_distributed(_tensor_pipeline_on_4, 4, str(tmp_path), timeout=400)
+    meta = json.loads((tmp_path / "pipe2xtp2" / "meta.json").read_text())
+    assert meta["tensor_parallel_size"] == 2 and meta["pipeline_parallel_size"] == 2
+    record = meta["optimizer"]["params"]["4.proj.weight"]  # stage 1, split by rows: a piece per tensor rank
+    assert record["tensor"]["size"] == 2 and [p["shards"][0]["file"] for p in record["pieces"]] == [
+        "rank00002.safetensors", "rank00003.safetensors"]
+    assert "4.proj.weight" not in meta["model"]["tensors"]  # tensor shards live as fp32 master pieces only
+    for r in results:
+        assert r["same"] == r["continued"]  # the same layout: exactly
+        assert r["zero2"]["losses"] == pytest.approx(r["continued"], rel=1e-6, abs=0)
+    saved_weights = _assemble([[{"state": r["saved"]["weights"]}] for r in results], 0)
+    got_weights, got = _merged([r["zero2"]["state"] for r in results])
+    assert sorted(got_weights) == sorted(saved_weights)
+    for key, value in saved_weights.items():
+        assert torch.equal(got_weights[key].float(), value), key
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        saved_kind = _assemble([[{"state": {n: (t[kind], split) for n, (t, split) in r["saved"]["optimizer"].items()}}]
+                                for r in results], 0)
+        assert sorted(saved_kind) == sorted(got["flats"])
+        for name, value in saved_kind.items():
+            assert torch.equal(got["flats"][name][kind], value.reshape(-1)), (name, kind)
