@@ -12,6 +12,12 @@ torch AdamW, and times forward + backward + step (after a barrier) for ``--steps
 ``--warmup``. A case's figure is the median over its steps of the slowest rank's step time,
 then the median over rounds.
 
+``partita-noagree`` is a diagnostic, not a mode: partita's capacity mode with its capacity
+agreement (one all-reduce max over the expert group per MoE forward, so ranks that route
+different token counts still use equal all-to-all buffers) replaced by the local capacity, as
+DeepSpeed assumes equal counts. It is unsafe when counts differ and exists to measure that
+all-reduce's cost.
+
 DeepSpeed's dropless mode is its ``drop_tokens=False``: every rank pads each expert's buffer
 to the largest count any rank routed to any expert (an all-reduce max), then the same
 equal-split all-to-all. partita's is variable-size all-to-all and grouped expert GEMMs.
@@ -35,7 +41,8 @@ sys.path.insert(0, REPO)
 
 SIZE = dict(d_model=128, ffn=512, experts=8, k=2, micro_batch=4, seq=64, capacity_factor=1.25)
 EP_SIZES = (2, 4)
-CASES = [("partita", "capacity"), ("deepspeed", "capacity"), ("partita", "dropless"), ("deepspeed", "dropless")]
+CASES = [("partita", "capacity"), ("deepspeed", "capacity"), ("partita", "dropless"), ("deepspeed", "dropless"),
+         ("partita-noagree", "capacity")]
 
 
 def _config() -> dict:
@@ -81,6 +88,15 @@ def _run_case(engine_name: str, mode: str, ep: int, steps: int, warmup: int) -> 
     import torch
     import torch.distributed as dist
 
+    import partita.moe.layer as partita_layer
+
+    agree = partita_layer.agree_capacity
+    if engine_name == "partita-noagree":  # the diagnostic (see the module docstring)
+        partita_layer.agree_capacity = lambda capacity, group, device: capacity
+        try:
+            return _run_case("partita", mode, ep, steps, warmup)
+        finally:
+            partita_layer.agree_capacity = agree
     model = _model(engine_name, mode, ep)
     if engine_name == "partita":
         import partita
@@ -159,7 +175,7 @@ def summarize(raw: dict[str, list]) -> list[dict]:
             rows.append(row)
     for row in rows:
         peer = next((r for r in rows if r["ep"] == row["ep"] and r["mode"] == row["mode"] and r["engine"] == "deepspeed"), None)
-        if row["engine"] == "partita" and peer and "step_ms" in peer and "step_ms" in row:
+        if row["engine"].startswith("partita") and peer and "step_ms" in peer and "step_ms" in row:
             row["speedup_vs_deepspeed"] = peer["step_ms"] / row["step_ms"]
     return rows
 
@@ -193,14 +209,14 @@ def main() -> None:
         raw = json.load(open(out))
     rows = summarize(raw)
     print(f"MoE step (fwd+bwd+AdamW, ZeRO-2, fp32) on 4 CPU processes: {SIZE}")
-    print(f"{'ep':>3} {'engine':<10}{'mode':<10}{'step ms':>9}  {'rounds':<26}{'vs DeepSpeed':>13}")
+    print(f"{'ep':>3} {'engine':<17}{'mode':<10}{'step ms':>9}  {'rounds':<26}{'vs DeepSpeed':>13}")
     for r in rows:
         if "step_ms" not in r:
-            print(f"{r['ep']:>3} {r['engine']:<10}{r['mode']:<10}  {r['error']}")
+            print(f"{r['ep']:>3} {r['engine']:<17}{r['mode']:<10}  {r['error']}")
             continue
         rounds = "/".join(f"{v:.0f}" for v in r["rounds"])
         speed = f"{r['speedup_vs_deepspeed']:.2f}x" if "speedup_vs_deepspeed" in r else ""
-        print(f"{r['ep']:>3} {r['engine']:<10}{r['mode']:<10}{r['step_ms']:>9.1f}  {rounds:<26}{speed:>13}")
+        print(f"{r['ep']:>3} {r['engine']:<17}{r['mode']:<10}{r['step_ms']:>9.1f}  {rounds:<26}{speed:>13}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(began)), "size": SIZE,
