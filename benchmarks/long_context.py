@@ -322,12 +322,14 @@ def _longest(args: argparse.Namespace, results: _Results, phase: str, system: st
     """Ascending lengths until the first failure; each with as many of ``--search-steps`` steps as
     the remaining budget allows (at least one, after a priming step), else skipped."""
     rows: list[dict[str, Any]] = []
+    # The same system's throughput rows (same options) predict this phase's first attempt too.
+    known = [r for r in results.data["phases"].get("throughput", []) if r.get("system") == system]
     for seq in seqs:
         remaining = deadline - time.perf_counter()
         steps = args.search_steps
-        while steps > 1 and (_predicted_s(rows, seq, steps) or 0) > remaining:
+        while steps > 1 and (_predicted_s(known + rows, seq, steps) or 0) > remaining:
             steps -= 1
-        predicted = _predicted_s(rows, seq, steps)
+        predicted = _predicted_s(known + rows, seq, steps)
         if remaining < 20 or (predicted is not None and predicted > remaining):
             results.add(phase, {"system": system, "seq": seq, "ok": None,
                                 "skipped": f"predicted {predicted or 0:.0f} s > remaining budget {remaining:.0f} s"})  # fmt: skip
