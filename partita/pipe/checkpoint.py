@@ -155,11 +155,16 @@ def _capture(engine: PipelineEngine, *, tag: str, client_state: dict[str, Any], 
             fragment = _fragment(module.stage_id, meta, state_plan, mine)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below, instead of waiting in the gather
         error = f"{type(exc).__name__}: {exc}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    inner = engine.optimizer.inner
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (error, f"{type(inner).__module__}.{type(inner).__qualname__}"))
+    failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
     if failed:
         raise CheckpointError("save_checkpoint of the pipeline failed: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    classes = {c for _, c in reports}
+    if len(classes) > 1:  # one optimizer table over all stages: refused on every rank alike
+        raise CheckpointError(f"the pipeline's stages use different optimizers ({', '.join(sorted(classes))}); every "
+                              "stage must use the same one for a checkpoint")
     fragments: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(fragment if rank != 0 else None, fragments, dst=0)
     if rank != 0:
@@ -225,27 +230,28 @@ def _merge(own: dict[str, Any], others: list[dict[str, Any]], layout: dict[str, 
     optimizer = {"class": own["optimizer"]["class"], "master_dtype": own["optimizer"]["master_dtype"],
                  "groups": [], "params": {}}
     tensors: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()  # keys every stage holds alike (a loss_fn module's buffers) are listed once
     for fragment in fragments:
         prefix = "" if fragment is own else f"pipe{fragment['stage']}/"
         part_model = _renamed_refs(fragment["model"], prefix)
         part_optimizer = _renamed_refs(fragment["optimizer"], prefix)
         if fragment is not own:
             tensors.update({prefix + k: v for k, v in fragment["tensors"].items()})
-        if part_optimizer["class"] != optimizer["class"]:
-            raise CheckpointError(f"pipeline stage {fragment['stage']} uses optimizer {part_optimizer['class']}, stage "
-                                  f"{fragments[0]['stage']} uses {optimizer['class']}; every stage must use the same one")
         offset = len(optimizer["groups"])
         optimizer["groups"] += part_optimizer["groups"]
         for name, record in part_optimizer["params"].items():
             optimizer["params"][name] = {**record, "group": record["group"] + offset}
-        model["keys"] += [k for k in part_model["keys"] if k not in model["keys"]]
+        for key in part_model["keys"]:
+            if key not in seen:
+                seen.add(key)
+                model["keys"].append(key)
         model["aliases"].update(part_model["aliases"])
         model["extra_state"].update(part_model["extra_state"])
         model["sharded_keys"] += part_model["sharded_keys"]
         model["tensors"].update(part_model["tensors"])
         model["files"].update({k: part_model["file"] for k in part_model["tensors"]})
     model["keys"].sort(key=lambda k: layer_position(k, layout))  # as the layers run (sort is stable)
-    model["sharded_keys"].sort()
+    model["sharded_keys"] = sorted(set(model["sharded_keys"]))
     return model, optimizer, tensors
 
 
