@@ -135,7 +135,7 @@ def initialize(
     prepare_pipeline(model, cfg, topology)  # a PipelineModule: refusals, config checks, tied-weight broadcast
     apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
     apply_sparse_attention_config(model, cfg.sparse_attention, sequence_parallel_size=topology.sequence_size)
-    apply_sequence_tiling(model, cfg.sequence_tiling)  # tiled loss / MLPs, before checkpointing wraps the blocks
+    apply_sequence_tiling(model, cfg.sequence_tiling, tensor_parallel_size=topology.tensor_size)  # before checkpointing
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
     apply_activation_checkpointing_config(
         model, cfg.activation_checkpointing, given="activation_checkpointing" in cfg.model_fields_set

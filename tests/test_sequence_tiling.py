@@ -326,6 +326,8 @@ def test_config_section_validation_and_application() -> None:
         apply_sequence_tiling(other, section(mlp_tile_tokens=4))
     assert apply_sequence_tiling(other, section(mlp_tile_tokens=4, mlp_module_types=["_Tokenwise"])) == ["0"]
     assert apply_sequence_tiling(other, section()) == []
+    with pytest.raises(NotImplementedError, match="sequence_tiling with tensor_parallel.autotp_size=2 is not implemented"):
+        apply_sequence_tiling(_gpt(), section(mlp_tile_tokens=4), tensor_parallel_size=2)
 
 
 # ------------------------------------------------------ through initialize, with sequence parallelism

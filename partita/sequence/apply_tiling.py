@@ -20,10 +20,17 @@ from partita.sequence.tiling import apply_tiled_mlp
 __all__ = ["apply_sequence_tiling"]
 
 
-def apply_sequence_tiling(model: nn.Module, config: SequenceTilingConfig) -> list[str]:
+def apply_sequence_tiling(model: nn.Module, config: SequenceTilingConfig, *, tensor_parallel_size: int = 1) -> list[str]:
     """Apply the section to ``model``; return the names of the modules whose MLP work is tiled."""
     if config.loss_tile_tokens is None and config.mlp_tile_tokens is None:
         return []
+    if tensor_parallel_size > 1:
+        # Not tested with DTensor shards and sequence-sharded activations: refused rather than guessed.
+        raise NotImplementedError(
+            f"sequence_tiling with tensor_parallel.autotp_size={tensor_parallel_size} is not implemented: remove the "
+            "sequence_tiling section or set autotp_size to 1 (tensor parallelism already splits the MLP and, with "
+            "vocab_parallel_lm_head, the logits over the tensor ranks)"
+        )
     from partita.models.gpt import GPT, MLP  # the reference model: imported here, models depend on nothing here
 
     if isinstance(model, GPT):
