@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # partita from this checkout, in every trial process too
 GIB = 2**30
 
 
