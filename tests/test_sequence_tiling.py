@@ -7,7 +7,8 @@
 - ``tiled_mlp`` / ``TiledMLP`` equal the dense MLP; with dropout the backward replays the
   forward's masks (the gradients equal an autograd run over the same tiles).
 - The reference GPT with ``loss_tile_tokens`` and ``mlp_tile_tokens`` equals the untiled GPT (loss
-  and every gradient), alone, under activation checkpointing (with CPU offload), and through
+  and every gradient), alone, under activation checkpointing (every block, selective, with CPU
+  offload), and through
   ``partita.initialize`` on 2 gloo ranks with Ulysses and ring sequence parallelism at ZeRO-3 with
   every block checkpointed
   (parameters after two steps equal single-process torch).
@@ -178,14 +179,15 @@ def _gpt_grads(model: GPT) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("checkpointing", [None, "every", "every+cpu_offload"])
+@pytest.mark.parametrize("checkpointing", [None, "every", "selective", "every+cpu_offload"])
 def test_tiled_gpt_equals_untiled(checkpointing: str | None) -> None:
     from partita.activation_checkpointing import apply_activation_checkpointing
 
     ref_loss, ref = _gpt_grads(_gpt())
     model = _gpt(loss_tile_tokens=11, mlp_tile_tokens=13)  # 80 tokens: neither divides
     if checkpointing:
-        apply_activation_checkpointing(model, policy="every", cpu_offload=checkpointing.endswith("offload"))
+        policy = checkpointing.split("+")[0]
+        apply_activation_checkpointing(model, policy=policy, cpu_offload=checkpointing.endswith("offload"))
     idx, targets = _gpt_batch()
     logits, _ = model(idx, targets)
     assert logits is None  # never built
