@@ -110,7 +110,7 @@ def layout_of(module: PipelineModule) -> dict[str, Any]:
 
 def _stored_elsewhere(module: PipelineModule) -> tuple[str, ...]:
     """Key prefixes of the tied modules this stage holds but another (their first owner) stores."""
-    return tuple(f"tied_modules.{t.key}." for t in module.tied_groups() if not t.counts_in_norm)
+    return tuple(f"tied_modules.{t.key}." for t in module.tied_groups() if module.stage_id != t.owner_stages[0])
 
 
 def _param_of_entry(key: str) -> str | None:
