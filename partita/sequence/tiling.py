@@ -38,6 +38,7 @@ as in forward (the RNG state is replayed, as ``torch.utils.checkpoint`` does).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -247,7 +248,7 @@ class _TiledTokenwise(torch.autograd.Function):
         flat_grad = grad_out.reshape(-1, grad_out.size(-1))
         grad_x = torch.empty_like(flat_x) if need_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
-        rng = ctx.rng.fork() if ctx.rng is not None else _null()
+        rng = ctx.rng.fork() if ctx.rng is not None else contextlib.nullcontext()
         with rng, torch.enable_grad(), ctx.autocast():
             if ctx.rng is not None:
                 ctx.rng.restore()
@@ -272,14 +273,6 @@ class _TiledTokenwise(torch.autograd.Function):
         for i, total in zip(wanted, sums):
             param_grads[i] = None if total is None else total.to(ctx.params[i].dtype)
         return (None, None, None, grad_x.view_as(x) if need_x else None, *param_grads)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _check_leaves(output: torch.Tensor, allowed: Sequence[torch.Tensor]) -> None:
