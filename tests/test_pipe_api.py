@@ -205,3 +205,129 @@ def test_engine_api_and_errors_on_two_stages() -> None:
         assert out["fp16"] == (1, False, 2.0 ** 29, True)
         assert out["first_last"] == (rank == 0, rank == 1)
         assert out["logits"] == ((4, 5, 11) if rank == 1 else None)
+
+
+# ---------------------------------------------------------------------------- three stages: mixed dtypes, failures
+class IdsEmbedding(nn.Module):
+    """Stage 0: (activation, ids) out, a float beside an int64 tensor (DeepSpeed's buffers deadlock on it at 3 stages)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, dim)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed(ids), ids
+
+
+class IdsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, ids = x
+        return h + torch.tanh(self.linear(h)), ids
+
+
+class IdsHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 11)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, ids = x
+        return self.linear(h) + 0.01 * ids.unsqueeze(-1).float()  # the ids reach the last stage intact
+
+
+def ids_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1))
+
+
+def _ids_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = torch.randint(0, 11, (3, MICRO, 6), generator=torch.Generator().manual_seed(3))
+    return [(ids[k, :, :-1], ids[k, :, 1:]) for k in range(3)]
+
+
+TIMEOUT_S = 60
+
+
+def three_stage_body() -> dict:
+    import time
+
+    import partita
+    from partita.pipe import LayerSpec, PipelineModule
+
+    partita.init_distributed()
+    config = {**_config(3), "distributed": {"timeout_seconds": TIMEOUT_S}}
+    model = PipelineModule([LayerSpec(IdsEmbedding), LayerSpec(IdsBlock), LayerSpec(IdsHead)], num_stages=3,
+                           loss_fn=ids_loss, partition_method="uniform", seed_layers=True, base_seed=BASE_SEED)
+    engine, *_ = partita.initialize(model=model, config=config)
+    data = _ids_batch()
+    out: dict = {}
+    # Only stages 0 and 2 read: they raise their own error, stage 1 is told which stage failed; nothing ran.
+    out["ran_out"] = _error(lambda: engine.train_batch(iter(data[:2])))
+    out["losses"] = [engine.train_batch(iter(data)).item() for _ in range(2)]
+    # Stage 0 sends 6 features where stage 1's Linear takes 8: every stage fails at the first step,
+    # naming stage 1 and its rank, within seconds (not the 60 s collective timeout).
+    bad = PipelineModule([LayerSpec(IdsEmbedding, 6), LayerSpec(IdsBlock), LayerSpec(IdsHead)], num_stages=3,
+                         loss_fn=ids_loss, partition_method="uniform")
+    broken, *_ = partita.initialize(model=bad, config=config)
+    start = time.monotonic()
+    out["mismatch"] = _error(lambda: broken.train_batch(iter(data)))
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _ids_reference() -> list[float]:
+    layers = []
+    for i, cls in enumerate((IdsEmbedding, IdsBlock, IdsHead)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(BASE_SEED + i)
+            layers.append(cls())
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    data = _ids_batch()
+    ids, labels = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    losses = []
+    for _ in range(2):
+        h = ids
+        for layer in layers:
+            h = layer(h)
+        loss = ids_loss(h, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_three_stages_mixed_dtypes_and_failures() -> None:
+    results = run_distributed(three_stage_body, 3)
+    expected = _ids_reference()
+    ran_out = ("RuntimeError", "train_batch(): the data iterator ran out after 2 of 3 micro-batches "
+                               "(gradient_accumulation_steps); give a longer or repeating iterator")
+    assert results[0]["ran_out"] == ran_out and results[2]["ran_out"] == ran_out
+    assert results[1]["ran_out"] == ("StageFailure", f"train_batch() on stage 1 (rank 1) did not run: reading the batch "
+                                                     f"failed on stage 0 (rank 0): {ran_out[0]}: {ran_out[1]}")
+    cause = ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (10x6 and 8x8) [pipeline stage 1: layer 1 "
+             "(IdsBlock, whose first Linear 'linear' takes (..., 8) floats) failed on the activation pipeline stage 0 "
+             "sent: ((2, 5, 6) float32, (2, 5) int64)]")
+    for rank, out in enumerate(results):
+        assert out["losses"] == pytest.approx(expected, rel=1e-5)
+        kind, message = out["mismatch"]
+        assert kind == "StageFailure"
+        if rank == 1:
+            assert message == f"train_batch(): pipeline stage 1 (rank 1) failed; every stage stops: {cause}"
+        else:
+            assert message == f"train_batch() on stage {rank} (rank {rank}) stopped: pipeline stage 1 (rank 1): {cause}"
+        assert out["seconds"] < TIMEOUT_S / 2
+
+
+def test_failure_report_describes_inputs() -> None:
+    from partita.pipe.failure import describe
+    from partita.pipe.module import _expects
+
+    assert describe((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), 5)) == "((2, 3) float32, (2,) int64, int)"
+    assert _expects(nn.Embedding(11, 8)) == ", whose first Embedding takes integer ids below 11"
+    assert _expects(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))) == ", whose first LayerNorm '0' takes (..., 4)"
+    assert _expects(lambda x: x) == ""

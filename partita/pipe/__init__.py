@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from partita.pipe.failure import StageFailure
 from partita.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from partita.pipe.partition import partition_balanced, partition_uniform
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "PipelineEngine", "PipelineError",
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "PipelineEngine", "PipelineError", "StageFailure",
            "partition_balanced", "partition_uniform"]
 
 

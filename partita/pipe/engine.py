@@ -36,6 +36,7 @@ import torch.distributed as dist
 from partita.distributed import collectives
 from partita.engine import Engine
 from partita.pipe.bubble import BubbleTimer
+from partita.pipe.failure import FailureReporter
 from partita.pipe.module import PipelineModule
 from partita.pipe.setup import norm_group
 from partita.pipe.schedule import ScaledLoss, build_schedule, build_stages, check_micro_batches
@@ -72,6 +73,8 @@ class PipelineEngine(Engine):
             raise ValueError("the PipelineModule has no loss_fn: build it with PipelineModule(..., loss_fn=...)")
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
+        # A stage that fails ends every stage at once, naming itself (partita/pipe/failure.py).
+        self._failures = FailureReporter(stage=module.stage_id, rank=topology.rank, device=self.device)
         self._stages = build_stages(module, device=self.device, group=topology.pipe_group)
         self._loss = ScaledLoss(module.loss_fn, self.micro_batches)
         measure = pipeline.measure_bubble if pipeline.measure_bubble is not None else self.device.type != "cuda"
@@ -124,22 +127,23 @@ class PipelineEngine(Engine):
             raise RuntimeError("train_batch() needs gradients enabled (it was called under torch.no_grad()); "
                                "use eval_batch() to evaluate")
         self.module.train()
-        args, target = self._read_batch(data_iter, "train_batch")
+        args, target = self._read_agreed(data_iter, "train_batch")
         self._step_log.observe_batch(args)  # tokens on the first stage; starts the throughput clock
         self._loss.losses.clear()
         self._loss.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        with self._step_log.timer("pipeline_schedule"):
+        with self._failures.guard("train_batch"):
+            with self._step_log.timer("pipeline_schedule"):
+                if self._bubble is not None:
+                    self._bubble.run(lambda: self._run(self._train_schedule, args, target))
+                else:
+                    self._run(self._train_schedule, args, target)
+            with self._step_log.timer("backward_allreduce"):
+                self._reduce_gradients()
+            # The last micro_batches calls are the batch's: torch 2.13 also calls the loss once while it
+            # infers the backward metadata at a schedule's first step (its gradients go nowhere).
+            loss = self._mean_loss(self._loss.losses[-self.micro_batches:], reduce_output="avg")
             if self._bubble is not None:
-                self._bubble.run(lambda: self._run(self._train_schedule, args, target))
-            else:
-                self._run(self._train_schedule, args, target)
-        with self._step_log.timer("backward_allreduce"):
-            self._reduce_gradients()
-        # The last micro_batches calls are the batch's: torch 2.13 also calls the loss once while it
-        # infers the backward metadata at a schedule's first step (its gradients go nowhere).
-        loss = self._mean_loss(self._loss.losses[-self.micro_batches:], reduce_output="avg")
-        if self._bubble is not None:
-            self.last_bubble = self._bubble.gather()
+                self.last_bubble = self._bubble.gather()
         self._step_log.observe_loss(loss)
         self.micro_steps += self.micro_batches
         self._apply_update(self._batch.train_batch_size)
@@ -159,14 +163,14 @@ class PipelineEngine(Engine):
         was_training = self.module.training
         self.module.eval()
         try:
-            args, target = self._read_batch(data_iter, "eval_batch")
-            with torch.no_grad():
+            args, target = self._read_agreed(data_iter, "eval_batch")
+            with torch.no_grad(), self._failures.guard("eval_batch"):
                 outputs = self._eval_schedule().step(*args)
                 losses = []
                 if compute_loss and self.is_last_stage():
                     for out, tgt in zip(_split(outputs, self.micro_batches), torch.tensor_split(target, self.micro_batches)):
                         losses.append(self.module.loss_fn(out, tgt).detach().float().reshape(()))
-            loss = self._mean_loss(losses, reduce_output=reduce_output) if compute_loss else outputs
+                loss = self._mean_loss(losses, reduce_output=reduce_output) if compute_loss else outputs
         finally:
             self.module.train(was_training)
         if return_logits:
@@ -174,6 +178,17 @@ class PipelineEngine(Engine):
         return loss
 
     # ------------------------------------------------------------------ pieces of a batch
+    def _read_agreed(self, data_iter: Iterator | None, caller: str) -> tuple[tuple, torch.Tensor | None]:
+        """:meth:`_read_batch` on every rank, then one all-reduce so that a stage that could not
+        read (only the first and last stages read) stops every stage before the schedule starts."""
+        error: Exception | None = None
+        try:
+            args, target = self._read_batch(data_iter, caller)
+        except Exception as failed:  # noqa: BLE001 - re-raised by agree_on_read on this rank
+            error = failed
+        self._failures.agree_on_read(error, caller)
+        return args, target
+
     def _read_batch(self, data_iter: Iterator | None, caller: str) -> tuple[tuple, torch.Tensor | None]:
         """The first stage's inputs and the last stage's labels of every micro-batch, each joined
         along dim 0 (the schedule cuts them back into the same micro-batches)."""

@@ -128,20 +128,61 @@ class StageChunk(nn.Module):
         owner = self._owner[0]  # train()/eval() reach the PipelineModule, not this unregistered chunk
         interval = owner.activation_checkpoint_interval
         if interval <= 0 or not (owner.training and torch.is_grad_enabled()):
-            for call in self._calls:
-                x = call(x)
-            return x
+            return self.run_layers(0, len(self._calls), x)
         use_reentrant = owner.checkpoint_use_reentrant
         for start in range(0, len(self._calls), interval):
-            run = self._calls[start : start + interval]
-            x = checkpoint(_run_layers, run, x, use_reentrant=use_reentrant)
+            x = checkpoint(self.run_layers, start, min(start + interval, len(self._calls)), x, use_reentrant=use_reentrant)
         return x
 
+    def run_layers(self, start: int, stop: int, x: Any) -> Any:
+        """Layers ``start .. stop - 1`` of this chunk; a layer that raises gets a note naming the
+        stage, the layer, what it was given (shapes and dtypes) and where that came from."""
+        for k in range(start, stop):
+            try:
+                x = self._calls[k](x)
+            except Exception as error:
+                _add_note(error, self._failure_note(k, x))
+                raise
+        return x
 
-def _run_layers(calls: list[Callable[[Any], Any]], x: Any) -> Any:
-    for call in calls:
-        x = call(x)
-    return x
+    def _failure_note(self, k: int, x: Any) -> str:
+        from partita.pipe.failure import describe
+
+        owner = self._owner[0]
+        index = self.layer_indices[k]
+        if k > 0:
+            source = f"the output of layer {self.layer_indices[k - 1]}"
+        elif self.index == 0:
+            source = "the batch's inputs"
+        else:
+            source = f"the activation pipeline stage {(self.index - 1) % owner.num_stages} sent"
+        return (f"pipeline stage {self.index % owner.num_stages}: layer {index} ({_type_name(owner._layer_specs[index])}"
+                f"{_expects(self._calls[k])}) failed on {source}: {describe(x)}")
+
+
+def _expects(layer: Any) -> str:
+    """What a layer's first parameterised submodule takes, for the failure note."""
+    module = layer.args[0] if isinstance(layer, partial) and layer.args else layer
+    if not isinstance(module, nn.Module):
+        return ""
+    for name, sub in module.named_modules():
+        where = f" '{name}'" if name else ""
+        if isinstance(sub, nn.Linear):
+            return f", whose first Linear{where} takes (..., {sub.in_features}) floats"
+        if isinstance(sub, nn.Embedding):
+            return f", whose first Embedding{where} takes integer ids below {sub.num_embeddings}"
+        if isinstance(sub, nn.LayerNorm):
+            return f", whose first LayerNorm{where} takes (..., {', '.join(map(str, sub.normalized_shape))})"
+    return ""
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    # Python 3.11's add_note keeps the error's type and prints the note with the traceback; on
+    # 3.10 the note is kept in __notes__ (partita's pipeline failure report reads it).
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
 class PipelineModule(nn.Module):
