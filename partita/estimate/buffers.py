@@ -19,7 +19,9 @@ exact peak depends on timing), so their lines are marked ``exact=False``:
   forward and backward; the running unit is whole and the next units are prefetched up to
   ``stage3_prefetch_bucket_size`` elements; a unit whose backward comes within
   ``stage3_max_reuse_distance`` gathered elements stays whole after its forward (the last
-  blocks); nothing takes the whole elements past ``stage3_max_live_parameters``. One
+  blocks), except at world size 1 with the shards on the accelerator, where no unit is kept
+  across the forward's end (param_gatherer [Note: reuse]); nothing takes the whole elements
+  past ``stage3_max_live_parameters``. One
   all-gather output buffer exists while a unit is unpacked; with ``offload_param`` also the
   device staging copy of this rank's shards it is gathered from (prefetch runs at world size
   1 too then: the gather is a host-to-device copy worth overlapping).
@@ -165,7 +167,8 @@ def _stage3_live_bytes(info: ModelInfo, setup: Setup) -> tuple[int, str]:
         peak = max(peak, live)
         # param_gatherer._end_unit: kept whole when its backward (after the later units) comes soon.
         distance = sum(units[i + 1 :])
-        if not (distance < setup.stage3_max_reuse_distance and live + distance <= max_live):
+        local = setup.world_size == 1 and setup.offload_param == "none"  # a re-gather is a local cast
+        if local or not (distance < setup.stage3_max_reuse_distance and live + distance <= max_live):
             live -= numel
             is_live[i] = False
     gather_buffer = max(padded)

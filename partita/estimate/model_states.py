@@ -14,10 +14,10 @@ code that allocates the tensors:
   accelerator master (gathers cast from it).
 - gradients: the fp32 gradient partition (``ShardedParamGroup.grad_partition``,
   ``partition_numel`` fp32 per group) exists from the first retired reduce bucket in
-  backward (world size 1: the end of backward) until the optimizer step.
+  backward (world size 1: the first gradient, folded in at once) until the optimizer step.
   Full-size ``param.grad`` in the model dtype is held across micro-batches at stages 0/1,
-  and at world size 1 (every stage) until the end of backward, which folds it into the
-  partition (``reducer.py``). ``data_types.grad_accum_dtype: fp32`` at stages 0/1 sums
+  and at world size 1 for offloaded groups until the end of backward, which sends it to the
+  host partition (``reducer.py``). ``data_types.grad_accum_dtype: fp32`` at stages 0/1 sums
   micro-batches in a full-size fp32 tensor per parameter instead.
 - optimizer states (``partita/optim``): torch Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
   shaped like the master (8 bytes per partition element, 12 with amsgrad) and a 4-byte fp32
@@ -193,9 +193,9 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                           d * info.float_buffer_numel + info.other_buffer_bytes))
 
     # ---------------------------------------------------------------- gradients
-    # At world size 1 nothing is reduced during backward: the partition appears when
-    # finish_backward folds param.grad into it. Else from the first retired bucket on.
-    partition_phases = frozenset({END_BACKWARD, STEP} | ({BACKWARD} if setup.world_size > 1 else set()))
+    # From the first retired bucket on; at world size 1 from the first gradient, which is folded
+    # in as it arrives (reducer.py [Note: folding on one rank]).
+    partition_phases = frozenset({BACKWARD, END_BACKWARD, STEP})
     if device_groups:
         lines.append(Line("gradients", "fp32 gradient partition", "accelerator", 4 * partition(device_groups),
                           partition_phases, kind="grad_partition"))
@@ -214,11 +214,11 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                               d * partition(host_groups), ALWAYS))
     held = holds_grads_across_micro_batches(setup)
     kept = trainable
-    if setup.world_size == 1 and not held and host_groups and setup.delayed_param_update:
-        # One rank with the delayed update: an offloaded group's gradients go down to the host
-        # as backward makes them (GradientReducer._on_grad_ready), so only the on-device
-        # groups' wait for its end.
-        kept = _sum(device_groups, lambda g: sum(p.numel for p in g.params))
+    if setup.world_size == 1 and not held:
+        # One rank: on-device groups fold each gradient as it arrives, and so do offloaded ones
+        # with the delayed update (GradientReducer._on_grad_ready); only the other offloaded
+        # groups' gradients wait in param.grad for the end of backward.
+        kept = 0 if setup.delayed_param_update else _sum(host_groups, lambda g: sum(p.numel for p in g.params))
     if (setup.world_size == 1 or held) and kept:
         phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())
         why = "held across micro-batches" if held else "kept until the end of backward (one rank)"

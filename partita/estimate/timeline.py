@@ -4,7 +4,7 @@ Summing every line alive "during backward" would count all activations together 
 fp32 gradient partition and three reduce buckets, which never coexist: backward frees a
 block's activations as it produces that block's gradients, and partita only allocates the
 fp32 partition when its first bucket is retired (``reducer.py``: a bucket is retired once
-``_IN_FLIGHT`` newer ones are launched; at world size 1 only after backward). So for the GPT
+``_IN_FLIGHT`` newer ones are launched; at world size 1 at the first gradient). So for the GPT
 we walk backward the way autograd runs it and take the worst point:
 
 - event 0: the loss, LM head and final LayerNorm: frees the log-probabilities and the final
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from partita.estimate.activations import gpt_activations
 from partita.estimate.buffers import IN_FLIGHT, bucket_bytes, packs_buckets, reduce_buckets
+from partita.estimate.groups import zero_groups
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
 from partita.estimate.model_states import fp32_sums_active, holds_grads_across_micro_batches
@@ -75,6 +76,10 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
     held = holds_grads_across_micro_batches(setup)
     sums = fp32_sums_active(setup)
     one_rank = setup.world_size == 1
+    # One rank: gradients of offloaded groups wait in param.grad for the end of backward unless
+    # the delayed update sends them down as they come; every other gradient is folded at once.
+    waiting_orders = {p.order for g in zero_groups(info, setup) if g.offloaded and not setup.delayed_param_update
+                     for p in g.params} if one_rank else set()
 
     worst = 0
     for e in range(layers + 2):
@@ -86,7 +91,7 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         waiting = trainable - ready
         grads = (d * waiting if held else 0) + (4 * trainable if sums and one_rank else 4 * waiting if sums else 0)
         if one_rank:
-            grads += d * ready  # left in param.grad until finish_backward
+            grads += d * sum(n for o, n in numel.items() if ready_at[o] <= e and o in waiting_orders)
         if tied is not None and ready_at[tied.order] > e and not held:
             grads += d * tied.numel  # the LM head's contribution, waiting for the embedding's
         launched = 0
@@ -97,6 +102,8 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         if launched < len(buckets) and started[launched] <= e:
             alive += sizes[launched]  # the bucket being filled
         has_partition = retired > 0 if packed else launched > 0
-        total = saved + recompute + grads + alive + (partition if has_partition and not one_rank else 0)
+        if one_rank:
+            has_partition = ready > 0  # allocated by the first gradient folded in
+        total = saved + recompute + grads + alive + (partition if has_partition else 0)
         worst = max(worst, total)
     return static + worst

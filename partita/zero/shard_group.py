@@ -117,6 +117,7 @@ class ShardedParamGroup:
         self._spare_grad_buffers: list[torch.Tensor] = []
         self._first_pass = False
         self._written: list[tuple[int, int]] = []
+        self._written_starts: set[int] = set()
         self._sum_of_squares: torch.Tensor | None = None
         # Delayed update: the updated master cast to the model dtype in pinned host memory.
         self.upload_copy: torch.Tensor | None = None
@@ -189,8 +190,20 @@ class ShardedParamGroup:
     # A buffer being stepped (possibly on the delayed-update thread) is owned by that step
     # and comes back through :meth:`recycle_grad_buffer`; at most two exist.
 
+    # [Note: first write on the device]
+    # An accelerator partition that receives unscaled slices (one rank: scale 1) starts empty, not
+    # zero-filled: the first pass of a step *copies* each slice in (an exact bf16/fp32 -> fp32 cast,
+    # one read and one write) instead of a memset followed by a read-add-write, which saves 8 bytes
+    # per element per step (3 ms for GPT-1.3B on an H200). Ranges nobody wrote are zeroed by
+    # finish_pass, as for offloaded partitions; a range written twice in one pass (a parameter
+    # whose gradient arrives twice) adds the second time. The one difference from zeros + add is
+    # the sign of a zero gradient (-0.0 stays -0.0, as in torch's own param.grad).
+
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
         """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
+        if self.host_transfer is None and scale == 1.0 and (self.grad_partition is None or self._first_pass):
+            self._write_on_device(partition_start, reduced)
+            return
         target = self.ensure_grad_partition()[partition_start : partition_start + reduced.numel()]
         if self.host_transfer is not None:
             # Asynchronous either way; drained after backward.
@@ -203,6 +216,20 @@ class ShardedParamGroup:
             return
         # In-place add promotes bf16/fp16 into the fp32 target without a full-size fp32 temporary.
         target.add_(reduced, alpha=scale)
+
+    def _write_on_device(self, partition_start: int, reduced: torch.Tensor) -> None:
+        """The first pass of an accelerator partition (see [Note: first write on the device])."""
+        if self.grad_partition is None:
+            self.grad_partition = torch.empty_like(self.master)
+            self._first_pass, self._written, self._written_starts = True, [], set()
+        end = partition_start + reduced.numel()
+        target = self.grad_partition[partition_start:end]
+        if partition_start in self._written_starts:
+            target.add_(reduced)
+            return
+        self._written_starts.add(partition_start)
+        self._written.append((partition_start, end))
+        target.copy_(reduced)
 
     def ensure_grad_partition(self) -> torch.Tensor:
         """The fp32 gradient partition, allocated (zeros) on first use after a step; for an

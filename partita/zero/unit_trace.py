@@ -61,6 +61,8 @@ class UnitTrace:
         # Per forward event: for an end, the elements other units gather before this unit is
         # needed again in the same micro-step (None: never); see finish_recording.
         self.reuse_distance: list[int | None] = []
+        # Per forward event: True when that next use is in the backward (after the forward's end).
+        self.reused_in_backward: list[bool] = []
         self._starts_through: list[int] = []  # per forward event: unit starts up to and including it
         self._backward_position = 0
 
@@ -131,7 +133,8 @@ class UnitTrace:
         for event in self.forward_events:
             starts += not event.end
             self._starts_through.append(starts)
-        self.reuse_distance = _reuse_distances(self.forward_events, self.sequences[Phase.BACKWARD], unit_numel, root)
+        self.reuse_distance, self.reused_in_backward = _reuse_distances(
+            self.forward_events, self.sequences[Phase.BACKWARD], unit_numel, root)
         self.state = TraceState.READY
 
     def disable(self, reason: str) -> None:
@@ -142,25 +145,28 @@ class UnitTrace:
 
 def _reuse_distances(
     events: list[Event], backward: list[nn.Module], unit_numel: Callable[[nn.Module], int], root: nn.Module
-) -> list[int | None]:
+) -> tuple[list[int | None], list[bool]]:
     """For each forward end event: how many elements of *other* units must be gathered
     before this unit runs again (its next forward start, else its backward), or None if it
-    does not run again in this micro-step. Each unit in between counts once (a unit already
-    whole is not gathered twice) and the root never counts (it stays whole through forward
-    and backward). Quadratic in the number of events, computed once."""
+    does not run again in this micro-step, and whether that next use is in the backward. Each
+    unit in between counts once (a unit already whole is not gathered twice) and the root never
+    counts (it stays whole through forward and backward). Quadratic in the number of events,
+    computed once."""
     distances: list[int | None] = [None] * len(events)
+    in_backward = [False] * len(events)
     for index, event in enumerate(events):
         if not event.end or event.unit is root:
             continue
         unit = event.unit
         between: dict[int, nn.Module] = {}
         found = False
-        later_starts = (e.unit for e in events[index + 1 :] if not e.end)
-        for other in (*later_starts, *backward):
+        later_starts = [e.unit for e in events[index + 1 :] if not e.end]
+        for position, other in enumerate((*later_starts, *backward)):
             if other is unit:
                 found = True
+                in_backward[index] = position >= len(later_starts)
                 break
             between[id(other)] = other
         if found:
             distances[index] = sum(unit_numel(u) for u in between.values() if u is not root)
-    return distances
+    return distances, in_backward
