@@ -151,6 +151,9 @@ def run_estimate_command(args: argparse.Namespace) -> int:
             estimate = estimate_memory(info, setup)
             print(json.dumps(estimate.to_dict(), indent=2) if args.json else estimate.table())
             return 0
+        if setup.offload_optimizer == "auto":
+            raise EstimateError("--gpu-memory recommends among offload none/cpu/nvme; for tiered placement give "
+                                "--offload-optimizer auto with --tier-capacity (and no --gpu-memory)")
         headroom = {} if args.headroom is None else {"headroom": args.headroom}
         recommendation = recommend_config(info, args.gpu_memory, setup, cpu_memory=args.cpu_memory, **headroom)
     except (EstimateError, ConfigError, OSError) as error:
