@@ -2,8 +2,12 @@
 
     # One H200, issue 16's figures in budgeted runs (JSON rewritten after every row):
     python benchmarks/long_context.py one-gpu --out r.json                 # all phases, --budget-s 480
+    # in three commands of under 10 minutes each (docs/performance.md):
+    python benchmarks/long_context.py one-gpu --skip-plain --skip-levers --budget-s 470 --out a.json
+    python benchmarks/long_context.py one-gpu --skip-throughput --skip-sparse --search-steps 2 \
+        --lever-seqs 262144 --budget-s 470 --out b.json
     python benchmarks/long_context.py one-gpu --skip-throughput --skip-sparse --skip-plain \
-        --lever-seqs 524288 --search-steps 1 --budget-s 560 --out r512k.json  # the 512k headline alone
+        --lever-seqs 524288 --search-steps 1 --budget-s 560 --out c.json  # the 512k headline
     python benchmarks/long_context.py one-gpu --tiny --out /tmp/t.json     # CPU check of the script
     # One H200, the older per-question commands:
     python benchmarks/long_context.py search --model gpt-1.3b --systems torch,fsdp2,deepspeed,partita --out r.json
