@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -41,12 +40,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- SLURM node lists
@@ -252,8 +245,15 @@ def test_plain_python_process_is_world_one() -> None:
 # rank 0's next collective must fail after timeout_seconds instead of hanging.
 SLURM_RANK = textwrap.dedent("""
     import json, os, sys, time
+    from datetime import timedelta
     import torch, torch.distributed as dist
     from partita.distributed import build_topology, init_distributed
+    # Start together: the 1.5 s below also bounds init's wait for the other rank, and on a busy
+    # machine one rank can take longer than that to import torch.
+    sync = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60))
+    sync.add("started", 1)
+    while sync.add("started", 0) < 2:
+        time.sleep(0.01)
     init_distributed(timeout_seconds=1.5)
     topo = build_topology(device_type="cpu")
     x = torch.tensor([float(topo.data_rank)])
@@ -283,15 +283,22 @@ SLURM_RANK = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def slurm_world2(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    from datetime import timedelta
+
     out_dir = tmp_path_factory.mktemp("slurm")
-    port = free_port()
+    # This process hosts the rendezvous store on a port the OS picks while binding it, and rank 0
+    # joins it as a client (torch's tcp:// rendezvous honours TORCHELASTIC_USE_AGENT_STORE): a
+    # port picked free first and bound later by rank 0 could be taken by another job in between.
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=90))
     procs = []
     for rank in range(2):
         env = clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                        SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="7", MASTER_PORT=str(port))
+                        SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="7", MASTER_PORT=str(store.port),
+                        TORCHELASTIC_USE_AGENT_STORE="True")
         procs.append(subprocess.Popen([sys.executable, "-c", SLURM_RANK, str(out_dir)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [proc.communicate(timeout=90)[0] for proc in procs]
+    del store  # only now: the ranks may read it until they exit
     for proc, log in zip(procs, logs):
         assert proc.returncode == 0, log
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)}
