@@ -131,6 +131,13 @@ def train_runs(runs: list[dict]) -> list[dict]:
                                seed_layers=True, base_seed=BASE_SEED, virtual_stages=virtual)
         engine, *_ = partita.initialize(model=model, config=_config(m, run))
         xs, ys = global_batches(m, engine.topology.data_size)
+        if run.get("wrong_data"):  # the tensor ranks read different samples: a mistake every stage reports
+            try:
+                engine.train_batch(iter(_micro(engine, xs, ys, engine.topology.tensor_rank, m)))
+                out.append({"error": None})
+            except Exception as error:  # noqa: BLE001 - compared by the test
+                out.append({"error": (type(error).__name__, str(error))})
+            continue
         losses, norms, applied, scales, lines = [], [], [], [], []
         for step in range(STEPS):
             poison = None
@@ -237,6 +244,8 @@ def test_pipe_2_by_tensor_2_matches_torch() -> None:
          "virtual_stages": 2},
         # The inf on tensor rank 0 of the last stage only: both stages and both tensor ranks skip.
         {"stages": 2, "micro_batches": 2, "precision": "fp16", "zero_stage": 0, "tensor": 2, "poison_step": 0},
+        # Last: a failed batch tears the process groups down.
+        {"stages": 2, "micro_batches": 2, "tensor": 2, "wrong_data": True},
     ]
     results = run_distributed(train_runs, 4, runs)
     assert [r[0]["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
@@ -249,6 +258,11 @@ def test_pipe_2_by_tensor_2_matches_torch() -> None:
         fp16 = rank_results[2]
         assert fp16["applied"] == [False, True] and fp16["skipped"] == 1 and fp16["scales"] == [2.0 ** 7] * 2
         assert fp16["losses"][1] == fp16["losses"][0]
+    for rank, rank_results in enumerate(results):
+        kind, message = rank_results[3]["error"]
+        assert kind == "StageFailure", message
+        # Both stages' tensor ranks read different data; stage 0's report (or stage 1's) names itself.
+        assert "tensor ranks of stage" in message and "read different micro-batches" in message
 
 
 def test_pipe_2_by_tensor_2_by_data_2_matches_torch() -> None:

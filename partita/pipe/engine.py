@@ -96,6 +96,7 @@ class PipelineEngine(Engine):
         if group is not None:
             self.optimizer.count_norm_across(group, uncounted_params=module.uncounted_in_norm(),
                                              covers_tensor_group=topology.tensor_size > 1)
+        self._batch_checked = topology.tensor_size == 1  # tensor ranks must read the same batch: checked once
         self._data_iterator: Iterator | None = (
             _repeat(self.training_dataloader) if self.training_dataloader is not None else None
         )
@@ -132,6 +133,8 @@ class PipelineEngine(Engine):
         self._loss.losses.clear()
         self._loss.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         with self._failures.guard("train_batch"):
+            if not self._batch_checked:
+                self._check_same_batch(args, target)
             with self._step_log.timer("pipeline_schedule"):
                 if self._bubble is not None:
                     self._bubble.run(lambda: self._run(self._train_schedule, args, target))
@@ -229,6 +232,26 @@ class PipelineEngine(Engine):
                                           "are not implemented for pipelines yet)")
             target = torch.cat(labels).to(self.device)
         return args, target
+
+    def _check_same_batch(self, args: tuple, target: torch.Tensor | None) -> None:
+        """Tensor parallelism: every tensor rank of a stage must compute on the same micro-batches
+        (they hold parts of the same layers). Checked once, at the first batch, from a digest of
+        the inputs and labels this rank read (sums and sizes), over the tensor group."""
+        self._batch_checked = True
+        tensors = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
+        digest = torch.tensor([float(t.detach().double().sum()) for t in tensors] + [float(sum(t.numel() for t in tensors))],
+                              dtype=torch.float64, device=self.device)
+        size = self.topology.tensor_size
+        gathered = torch.empty(size * digest.numel(), dtype=torch.float64, device=self.device)
+        collectives.all_gather_into_tensor(gathered, digest, group=self.topology.tensor_group,
+                                           purpose="pipeline: the tensor ranks' first batch digest")
+        rows = gathered.view(size, -1)
+        if not all(torch.equal(row, rows[0]) for row in rows):
+            raise ValueError(
+                f"tensor parallelism: the tensor ranks of stage {self.stage_id} read different micro-batches at the first "
+                "train_batch; every tensor rank must get the same samples: shard the data by engine.topology.data_rank "
+                "/ data_size, not by the global rank"
+            )
 
     def _run(self, schedule: Any, args: tuple, target: torch.Tensor | None) -> Any:
         kwargs: dict[str, Any] = {}
