@@ -15,6 +15,7 @@ LayerNorm) with MLP blocks ``x + proj(tanh(fc(x)))`` that tensor parallelism can
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -138,6 +139,19 @@ def train_runs(runs: list[dict]) -> list[dict]:
             except Exception as error:  # noqa: BLE001 - compared by the test
                 out.append({"error": (type(error).__name__, str(error))})
             continue
+        if run.get("raise_backward"):  # a backward that raises on one rank of the last stage only
+            if engine.is_last_stage() and engine.topology.data_rank == 0:
+                def fail(grad):
+                    raise RuntimeError("injected backward failure")
+
+                model.get_submodule(str(N_BLOCKS + 1)).weight.register_hook(fail)
+            start = time.monotonic()
+            try:
+                engine.train_batch(iter(_micro(engine, xs, ys, 0, m)))
+                out.append({"error": None})
+            except Exception as error:  # noqa: BLE001 - compared by the test
+                out.append({"error": (type(error).__name__, str(error)), "seconds": time.monotonic() - start})
+            continue
         losses, norms, applied, scales, lines = [], [], [], [], []
         for step in range(STEPS):
             poison = None
@@ -203,6 +217,8 @@ def test_pipe_2_by_data_2_zero2_precision_and_monitors() -> None:
         # fp16: an inf in the last stage's gradient on one data rank, in the first step only.
         {"stages": 2, "micro_batches": 2, "precision": "fp16", "zero_stage": 1, "poison_step": 0},
         {"stages": 2, "micro_batches": 2, "precision": "bf16", "zero_stage": 2},
+        # Last (it tears the process groups down): every stage and data rank fails, naming rank 2.
+        {"stages": 2, "micro_batches": 2, "zero_stage": 1, "raise_backward": True},
     ]
     results = run_distributed(train_runs, 4, runs)
     _check_parity(results, runs, 0)
@@ -235,6 +251,16 @@ def test_pipe_2_by_data_2_zero2_precision_and_monitors() -> None:
         assert bf16["applied"] == [True, True]
         assert bf16["losses"] == pytest.approx(expected["losses"], rel=2e-2)
         assert bf16["norms"] == pytest.approx(expected["norms"], rel=5e-2)
+    for rank, rank_results in enumerate(results):
+        kind, message = rank_results[4]["error"]
+        assert kind == "StageFailure", message
+        if rank == 2:
+            assert message.startswith("train_batch(): pipeline stage 1 (rank 2) failed; every stage stops: "), message
+        else:
+            assert message.startswith(f"train_batch() on stage {rank // 2} (rank {rank}) stopped: pipeline stage 1 "
+                                      "(rank 2): "), message
+        assert "injected backward failure" in message
+        assert rank_results[4]["seconds"] < 60  # not the collective timeout (1800 s)
 
 
 def test_pipe_2_by_tensor_2_matches_torch() -> None:
