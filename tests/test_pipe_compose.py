@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.test_pipe_parity import BASE_SEED, MICRO, SEQ, VOCAB, DIM, global_batches, lm_head, lm_loss
+from tests.test_pipe_parity import BASE_SEED, DIM, MICRO, VOCAB, global_batches, lm_head, lm_loss
 
 HIDDEN = 8
 N_BLOCKS = 4

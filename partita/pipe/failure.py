@@ -73,6 +73,11 @@ def _explain(error: BaseException) -> str:
     """The error and its causes, innermost last (torch wraps a stage's error in its own)."""
     parts, seen = [], error
     while seen is not None and len(parts) < 4:
+        if seen.__cause__ is not None and "failed to run" in str(seen) and type(seen) is RuntimeError:
+            # PipelineStage's wrapper ("[Stage 1] failed to run forward: args: ..."), raised on some
+            # steps and torch versions only: the error it wraps (with partita's note) says more.
+            seen = seen.__cause__
+            continue
         text = " ".join(str(seen).split())  # torch's messages span indented lines
         notes = "".join(f" [{n}]" for n in getattr(seen, "__notes__", ()))
         parts.append(f"{type(seen).__name__}: {text}{notes}")
