@@ -30,13 +30,15 @@ def _die_once(marker: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
+    """Train, checkpoint and (rank 0) write the parameters; returns rank 0's summary line (printed
+    too). Also called in-process by the test's uninterrupted reference run (no kill)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", choices=["none", "run", "save"], default="none")
     parser.add_argument("--marker", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": 2,
@@ -74,9 +76,11 @@ def main() -> None:
             engine.step()
         if (step + 1) % EVERY == 0:
             engine.save_checkpoint()
+    summary = f"finished at step {engine.global_steps}, resumed from {engine.loaded_checkpoint and engine.loaded_checkpoint[0]}"
     if rank == 0:
         save_file({n: p.detach().clone() for n, p in model.named_parameters()}, args.out)
-        print(f"finished at step {engine.global_steps}, resumed from {engine.loaded_checkpoint and engine.loaded_checkpoint[0]}")
+        print(summary)
+    return summary
 
 
 if __name__ == "__main__":
