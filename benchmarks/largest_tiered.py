@@ -1,6 +1,6 @@
 """The largest GPT that trains on one GPU with the optimizer state spread over GPU, host and NVMe.
 
-    python benchmarks/largest_tiered.py --sizes 5120x40,5120x42,5120x44 --nvme-path /local_nvme \\
+    python benchmarks/largest_tiered.py --sizes 5120x40,5120x44,5120x48 --nvme-path /local_nvme \\
         --out benchmarks/results/largest_tiered.json          # one H200
     python benchmarks/largest_tiered.py --tiny --out /tmp/largest_tiered.json   # CPU check of the script
 
@@ -232,7 +232,7 @@ def _sizes(text: str) -> list[tuple[int, int]]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="5120x40,5120x42,5120x44",
+    parser.add_argument("--sizes", default="5120x40,5120x44,5120x48",
                         help="d_model x n_layers, comma separated, smallest first (heads of --head-dim)")
     parser.add_argument("--tiny", action="store_true", help="CPU check: two tiny GPTs, a temporary nvme_path")
     parser.add_argument("--seq-len", type=int, default=2048)
