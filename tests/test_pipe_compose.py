@@ -128,6 +128,20 @@ def train_runs(runs: list[dict]) -> list[dict]:
     out = []
     for run in runs:
         m, virtual = run["micro_batches"], run.get("virtual_stages", 1)
+        if run.get("split_tied"):  # a tensor-parallel rule that matches a tied layer: refused
+            from partita.pipe import LayerSpec, TiedLayerSpec
+
+            tied = PipelineModule([TiedLayerSpec("lin", nn.Linear, DIM, DIM), LayerSpec(MLPBlock, DIM, HIDDEN),
+                                   TiedLayerSpec("lin", nn.Linear, DIM, DIM)], num_stages=run["stages"], loss_fn=lm_loss)
+            cfg = _config(m, run)
+            cfg["tensor_parallel"]["partition_config"]["layer_specs"] = [
+                {"patterns": [r"^tied_modules\.lin$"], "partition_type": "column"}]
+            try:
+                partita.initialize(model=tied, config=cfg)
+                out.append({"error": None})
+            except Exception as error:  # noqa: BLE001 - compared by the test
+                out.append({"error": (type(error).__name__, str(error))})
+            continue
         model = PipelineModule(layer_specs(), num_stages=run["stages"], loss_fn=lm_loss, partition_method="uniform",
                                seed_layers=True, base_seed=BASE_SEED, virtual_stages=virtual)
         engine, *_ = partita.initialize(model=model, config=_config(m, run))
@@ -270,6 +284,7 @@ def test_pipe_2_by_tensor_2_matches_torch() -> None:
          "virtual_stages": 2},
         # The inf on tensor rank 0 of the last stage only: both stages and both tensor ranks skip.
         {"stages": 2, "micro_batches": 2, "precision": "fp16", "zero_stage": 0, "tensor": 2, "poison_step": 0},
+        {"stages": 2, "micro_batches": 2, "tensor": 2, "split_tied": True},
         # Last: a failed batch tears the process groups down.
         {"stages": 2, "micro_batches": 2, "tensor": 2, "wrong_data": True},
     ]
@@ -285,7 +300,11 @@ def test_pipe_2_by_tensor_2_matches_torch() -> None:
         assert fp16["applied"] == [False, True] and fp16["skipped"] == 1 and fp16["scales"] == [2.0 ** 7] * 2
         assert fp16["losses"][1] == fp16["losses"][0]
     for rank, rank_results in enumerate(results):
-        kind, message = rank_results[3]["error"]
+        assert rank_results[3]["error"] == (
+            "NotImplementedError", "tensor parallelism split the tied layer 'lin' (TiedLayerSpec): tied layers stay "
+            "replicated under pipelines; change tensor_parallel.partition_config.layer_specs so no rule matches "
+            "'tied_modules.lin'")
+        kind, message = rank_results[4]["error"]
         assert kind == "StageFailure", message
         # Both stages' tensor ranks read different data; stage 0's report (or stage 1's) names itself.
         assert "tensor ranks of stage" in message and "read different micro-batches" in message

@@ -357,9 +357,14 @@ class PipelineModule(nn.Module):
         (partita/tensor_parallel) replaces a layer given as a bare ``nn.Linear`` in its parent,
         which for a top-level layer is this module, not the chunk that runs it. Tied modules
         must not be replaced (their forward_fn and tie groups hold them): an error says so."""
-        for key, module in self.tied_modules.items():
-            for chunk in self.chunks:
-                if key in chunk.tied_modules and chunk.tied_modules[key] is not module:
+        for chunk in self.chunks:
+            for k, index in enumerate(chunk.layer_indices):
+                spec, call = self._layer_specs[index], chunk._calls[k]
+                if not isinstance(spec, TiedLayerSpec):
+                    continue
+                key = spec.key
+                used = call.args[0] if isinstance(call, partial) else call
+                if used is not self.tied_modules[key]:
                     raise NotImplementedError(
                         f"tensor parallelism split the tied layer {key!r} (TiedLayerSpec): tied layers stay replicated "
                         "under pipelines; change tensor_parallel.partition_config.layer_specs so no rule matches "
