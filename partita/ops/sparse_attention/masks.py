@@ -70,6 +70,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
         from partita.ops.sparse_attention.sparse_self_attention import _flex
 
-        block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=query.device)
+        # compiled: evaluated block by block, never the whole (batch, seq, seq) mask (see SparseSelfAttention)
+        block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=query.device, _compile=True)
         return _flex()(query, key, value, block_mask=block_mask)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=_dense(mask_mod, batch, heads, seq, query.device))
