@@ -265,6 +265,13 @@ def train_one_rank(path: str) -> dict:
     configs += [_config(2, 2), _config(2, 2, **_tiered(path, SPLITS["mixed"]))]
     # Decided from the capacities the config gives: room for the working set and a little optimizer state.
     configs.append(AUTO_CONFIG(path))
+    # The delayed update (one step late, on a background thread) over three tiers: the same math as
+    # the delayed update with everything in host memory.
+    delayed = {"delayed_param_update": True}
+    configs.append(_no_clip(_config(2, 1, offload_optimizer={"device": "cpu", **delayed})))
+    mixed = _tiered(path, SPLITS["mixed"])
+    mixed["offload_optimizer"].update(delayed)
+    configs.append(_no_clip(_config(2, 1, **mixed)))
     return _placements(configs)
 
 
@@ -292,7 +299,7 @@ def test_every_split_trains_bit_identically_to_no_offload(one_rank) -> None:
 
 
 def test_clipping_active_agrees_up_to_the_norms_rounding(one_rank) -> None:
-    base, mixed = one_rank["results"][-3], one_rank["results"][-2]
+    base, mixed = one_rank["results"][-5], one_rank["results"][-4]
     for param, want in base["params"].items():
         assert torch.allclose(mixed["params"][param], want, rtol=1e-6, atol=1e-7), param
     assert mixed["norms"] == pytest.approx(base["norms"], rel=1e-6)
@@ -306,7 +313,7 @@ def test_auto_split_at_initialize_is_the_estimators(one_rank, tmp_path) -> None:
     info = model_info(model, param_groups=param_groups(model))
     plan = plan_tiers(info, Setup.from_config(cfg, world_size=1, activation_bytes=0),
                       TierCapacities(AUTO_ACCELERATOR_BYTES, GIB, GIB))
-    decided = one_rank["tiers"][-1]
+    decided = one_rank["tiers"][-3]
     per_tier = {t: sum(n for tier, n in decided if tier == t) for t in TIER_NAMES}
     # TiedNet: the NVMe buffers would cost more host memory than its elements save, so the
     # estimator keeps what does not fit on the accelerator in host memory.
@@ -318,7 +325,15 @@ def test_auto_split_at_initialize_is_the_estimators(one_rank, tmp_path) -> None:
     assert decided == predicted
     base = one_rank["results"][1 + len(SPLITS)]  # stage 2, no offload, no clipping
     for param, want in base["params"].items():
-        assert torch.equal(one_rank["results"][-1]["params"][param], want), param
+        assert torch.equal(one_rank["results"][-3]["params"][param], want), param
+
+
+def test_delayed_update_over_three_tiers_equals_the_delayed_host_update(one_rank) -> None:
+    host, tiered = one_rank["results"][-2], one_rank["results"][-1]
+    assert {t for t, _ in one_rank["tiers"][-1]} == {"accelerator", "cpu", "nvme"}
+    for param, want in host["params"].items():
+        assert torch.equal(tiered["params"][param], want), param
+    assert tiered["steps"] == host["steps"]
 
 
 # ----------------------------------------------------------------------------- checkpoints across placements
