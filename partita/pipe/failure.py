@@ -7,10 +7,10 @@ and their error (a gloo "Connection closed" or a timeout) does not say which sta
 Two cases:
 
 - **Reading the batch** (only the first and last stages read the data iterator): every rank
-  reports whether it read its micro-batches in one small all-reduce per batch (a max over the
-  ranks of ``rank + 1`` if it failed), before any stage starts the schedule. A rank that failed
-  raises its own error; the others raise :class:`StageFailure` naming the failed stage, rank
-  and error (sent through the job's store), and the engine stays usable (nothing was sent).
+  reports whether it read its micro-batches in one small all-reduce per batch (the lowest
+  failed rank), before any stage starts the schedule. A rank that failed raises its own error;
+  the others raise :class:`StageFailure` naming the lowest failed rank, its stage and error (sent
+  through the job's store), and the engine stays usable (nothing was sent).
 - **Inside the batch** (a layer raising in forward or backward, a shape that does not fit the
   next stage, a failed reduction): the batch cannot be finished on any stage. The failing rank
   writes ``stage, rank, error`` to the job's store (the first failure wins) and tears down its
@@ -108,17 +108,19 @@ class FailureReporter:
         self._reads += 1
         key = f"{self._prefix}/read{self._reads}"
         if error is not None and self._store is not None:
-            self._store.set(key, f"stage {self.stage} (rank {self.rank}): {_explain(error)}")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([self.rank + 1 if error is not None else 0], dtype=torch.int64, device=self.device)
-            collectives.all_reduce(flag, group=None, op=dist.ReduceOp.MAX, purpose="pipeline: did every stage read its data")
-            failed = int(flag.item()) - 1
+            self._store.set(f"{key}/rank{self.rank}", f"stage {self.stage} (rank {self.rank}): {_explain(error)}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            # The lowest failed rank (world: none failed): the one every other rank names.
+            flag = torch.tensor([self.rank if error is not None else world], dtype=torch.int64, device=self.device)
+            collectives.all_reduce(flag, group=None, op=dist.ReduceOp.MIN, purpose="pipeline: did every stage read its data")
+            failed = int(flag.item())
         else:
-            failed = self.rank if error is not None else -1
+            failed = self.rank if error is not None else world
         if error is not None:
             raise error
-        if failed >= 0:
-            report = self._read_report(key, fallback=f"rank {failed}")
+        if failed < world:
+            report = self._read_report(f"{key}/rank{failed}", fallback=f"rank {failed}")
             raise StageFailure(f"{caller}() on stage {self.stage} (rank {self.rank}) did not run: reading the batch "
                                f"failed on {report}")
 
