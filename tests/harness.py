@@ -88,6 +88,12 @@ def _worker(rank: int, world_size: int, port: int, environ: dict, fn_name: tuple
             from partita.distributed.shutdown import teardown_process_groups
 
             teardown_process_groups()
+        # A forked rank ends in os._exit, which skips atexit; a spawned or torchrun-started rank
+        # runs it. Run it here so the ranks exit as real jobs do (NVMe swap directories are
+        # removed by atexit hooks, and tests check that they are).
+        import atexit
+
+        atexit._run_exitfuncs()
 
 
 def run_distributed(
