@@ -23,14 +23,11 @@ COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 def formula_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of each stage's time in the pipelined region, from the closed forms."""
-    if schedule in ("gpipe", "1f1b", "deepspeed_1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zero_bubble":
-        return (p - 1) / (3 * v * m + p - 1)
-    raise ValueError(f"no bubble formula for schedule {schedule!r}")
+    """Idle fraction of each stage's time in the pipelined region, from the closed forms
+    (partita.pipe.bubble's, which ``engine.last_bubble`` reports; DeepSpeed's 1F1B is 1F1B's)."""
+    from partita.pipe.bubble import theory_idle_fraction
+
+    return theory_idle_fraction(p, m, "1f1b" if schedule == "deepspeed_1f1b" else schedule, v)
 
 
 def replay(ops: list[list[tuple[int, str, int]]], num_stages: int, v: int) -> list[float]:

@@ -25,6 +25,11 @@ def test_replay_of_torchs_order_gives_the_closed_form(schedule: str, v: int) -> 
     assert formula_bubble("1f1b", 4, 8) == 3 / 11
     assert formula_bubble("interleaved_1f1b", 4, 8, 2) == 3 / 19
     assert formula_bubble("zero_bubble", 4, 8, 2) == 3 / 51
+    from partita.pipe.bubble import theory_idle_fraction  # what engine.last_bubble reports
+
+    assert theory_idle_fraction(4, 8, "interleaved_1f1b", 2) == 3 / 19
+    with pytest.raises(ValueError, match="no idle-fraction formula for pipeline schedule 'dualpipe'"):
+        theory_idle_fraction(4, 8, "dualpipe")
 
 
 def test_replay_counts_waiting_and_refuses_a_deadlock() -> None:

@@ -11,7 +11,7 @@ methods on this rank's stage objects and the loss; everything else inside ``sche
     idle_s = schedule_s - compute_s,   idle_fraction = idle_s / schedule_s
 
 which the theory puts at ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B (p stages, m
-micro-batches), lower for the interleaved and zero-bubble schedules.
+micro-batches), lower for the interleaved and zero-bubble schedules (:func:`theory_idle_fraction`).
 
 The clock is the host's ``time.perf_counter``: exact on CPU, where work is synchronous. On
 CUDA the host runs ahead of the device, so each timed call is bracketed by a device
@@ -41,20 +41,34 @@ __all__ = ["BubbleTimer", "theory_idle_fraction"]
 _TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-def theory_idle_fraction(stages: int, micro_batches: int) -> float:
-    """GPipe / 1F1B idle fraction of wall time, ``(p - 1) / (m + p - 1)``."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def theory_idle_fraction(stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """The closed-form idle fraction of a stage's wall time for ``schedule`` (p stages, m
+    micro-batches, v model chunks per rank), unit costs F = B/2 and no communication time:
+
+    GPipe and 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B ``(p - 1) / (v m + p - 1)`` (the
+    warm-up shrinks with the chunk size); zero bubble ``(p - 1) / (3 v m + p - 1)`` (the weight
+    gradients, a third of the work, fill the remaining gaps).
+    """
+    p, m, v = stages, micro_batches, virtual_stages
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v * m + p - 1)
+    raise ValueError(f"no idle-fraction formula for pipeline schedule {schedule!r}")
 
 
 class BubbleTimer:
     """Times compute inside one rank's schedule; :meth:`gather` turns it into per-stage figures."""
 
     def __init__(self, *, stage_id: int, num_stages: int, micro_batches: int, schedule: str,
-                 device: torch.device) -> None:
+                 device: torch.device, virtual_stages: int = 1) -> None:
         self.stage_id = stage_id
         self.num_stages = num_stages
         self.micro_batches = micro_batches
         self.schedule = schedule
+        self.virtual_stages = virtual_stages
         self._device = device
         self._cuda = device.type == "cuda"
         self._compute_s = 0.0
@@ -110,8 +124,8 @@ class BubbleTimer:
         """Every stage's figures of the batch just run (a collective over the world: every rank
         calls it). Returns what ``engine.last_bubble`` holds:
 
-        ``schedule``, ``stages``, ``micro_batches``, ``theory_idle_fraction`` (the 1F1B/GPipe
-        formula), this rank's ``stage``, ``schedule_s``, ``compute_s``, ``idle_s``,
+        ``schedule``, ``stages``, ``micro_batches``, ``theory_idle_fraction`` (the
+        schedule's closed form), this rank's ``stage``, ``schedule_s``, ``compute_s``, ``idle_s``,
         ``idle_fraction``, and ``per_stage``: one dict per stage with the same four times,
         averaged over the ranks of that stage (data and tensor ranks).
         """
@@ -134,7 +148,8 @@ class BubbleTimer:
             self._window[s][1] += schedule_s
         own = _figures(self.stage_id, self._schedule_s, self._compute_s)
         return {"schedule": self.schedule, "stages": self.num_stages, "micro_batches": self.micro_batches,
-                "theory_idle_fraction": theory_idle_fraction(self.num_stages, self.micro_batches),
+                "theory_idle_fraction": theory_idle_fraction(self.num_stages, self.micro_batches, self.schedule,
+                                                             self.virtual_stages),
                 **own, "per_stage": per_stage}
 
     def window_metrics(self) -> dict[str, float]:

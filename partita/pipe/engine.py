@@ -81,7 +81,7 @@ class PipelineEngine(Engine):
         # Idle time per stage (partita/pipe/bubble.py); None when pipeline.measure_bubble is off.
         self._bubble = BubbleTimer(stage_id=module.stage_id, num_stages=module.num_stages,
                                    micro_batches=self.micro_batches, schedule=self.schedule_name,
-                                   device=self.device) if measure else None
+                                   device=self.device, virtual_stages=module.virtual_stages) if measure else None
         # The last batch's idle time per stage (BubbleTimer.gather's dict), None before the first batch.
         self.last_bubble: dict[str, Any] | None = None
         loss_fn: Any = self._loss
