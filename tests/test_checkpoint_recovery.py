@@ -23,12 +23,10 @@ JOB = REPO / "tests" / "checkpoint_job.py"
 
 def _launch(tmp: Path, name: str, kill: str) -> tuple[dict[str, torch.Tensor], str, Path]:
     save_dir, out = tmp / f"{name}-ckpt", tmp / f"{name}.safetensors"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           # torchrun's agent-hosted store outlives a restart with the previous attempt's keys, and
-           # gloo's bootstrap of the restarted group can read the dead attempt's addresses
-           # ("Connection refused", or a hang). A store per attempt avoids that (partita's own
-           # checkpoint keys carry the restart count, so they are safe either way).
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # The restarted attempt shares torchrun's agent store with the dead one; partita's init keeps
+    # each attempt's keys apart (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE needed, none inherited).
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     cmd = [sys.executable, "-m", "partita.launcher.cli", "run", "--nproc", "2", "--max-restarts", "1", str(JOB),
            "--save-dir", str(save_dir), "--out", str(out), "--kill", kill, "--marker", str(tmp / f"{name}.marker")]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

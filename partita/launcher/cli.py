@@ -152,11 +152,9 @@ def _run(args: argparse.Namespace) -> int:
 
     prepare_signal_forwarding(os.environ)  # SIGUSR1 reaches the ranks, and they get time to save
 
-    if args.max_restarts > 0:
-        # torch 2.13's agent-hosted rendezvous store outlives a restart with the previous
-        # attempt's keys, so a restarted gloo group can read dead peers' addresses and fail
-        # ("Connection refused") or hang. A fresh store per attempt avoids that.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE for restarts (d5293f6 set it): the ranks share the
+    # agent's store, and partita's init keeps each restart attempt's keys under a prefix of its
+    # own (partita.distributed.init._agent_store), so a restarted group never reads dead peers'.
 
     try:
         torchrun_main(argv)
