@@ -44,7 +44,6 @@ from partita.sequence.apply import apply_sequence_parallel
 from partita.sequence.apply_tiling import apply_sequence_tiling
 from partita.zero.api import apply_zero
 from partita.pipe import PipelineModule
-from partita.pipe.engine import PipelineEngine
 from partita.pipe.setup import pipe_size_for, prepare_pipeline
 
 logger = logging.getLogger("partita")
@@ -170,7 +169,11 @@ def initialize(
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)
     loss_scaler = build_loss_scaler(cfg.fp16) if cfg.precision == "fp16" else None
     dataloader = _build_dataloader(training_data, collate_fn, batch.micro_batch_size, topology, cfg)
-    engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine  # train_batch (partita/pipe)
+    if isinstance(model, PipelineModule):  # train_batch (partita/pipe)
+        # lazily: torch.distributed.pipelining imports torch._dynamo (~2 s of CPU per process)
+        from partita.pipe.engine import PipelineEngine as engine_class
+    else:
+        engine_class = Engine
     engine = engine_class(
         module=model,
         zero=zero,

@@ -20,7 +20,6 @@ from partita.sequence.comm import all_reduce_sum, all_to_all, sequence_token_mea
 from partita.sequence.layer import DistributedAttention
 from partita.sequence.ring import RingAttention, ring_attention
 from partita.sequence.sharding import local_positions, shard_sequence, unshard_sequence
-from partita.sequence.tiling import TiledMLP, apply_tiled_mlp, tiled_cross_entropy, tiled_mlp
 
 __all__ = [
     "DistributedAttention",
@@ -41,6 +40,9 @@ __all__ = [
 ]
 
 
+_TILING = ("TiledMLP", "apply_tiled_mlp", "tiled_cross_entropy", "tiled_mlp")
+
+
 def __getattr__(name: str):
     # apply_sequence_parallel imports the topology and the reference model; the config loader
     # imports partita.sequence.config early, so this package must not import them eagerly.
@@ -48,4 +50,10 @@ def __getattr__(name: str):
         from partita.sequence.apply import apply_sequence_parallel
 
         return apply_sequence_parallel
+    # The tiling module's torch.compiler.disable decorators import torch._dynamo (~2 s of CPU
+    # per process), which every launch paid through the config loader before it was lazy.
+    if name in _TILING:
+        from partita.sequence import tiling
+
+        return getattr(tiling, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,7 +37,6 @@ from partita.sequence.config import SequenceParallelConfig
 from partita.sequence.layer import DistributedAttention
 from partita.sequence.ring import RingAttention, ring_attention
 from partita.sequence.sharding import Layout, check_sequence_length, local_positions, shard_sequence
-from partita.sequence.tiling import tiled_cross_entropy
 
 __all__ = ["SequenceParallelLoss", "apply_sequence_parallel"]
 
@@ -56,6 +55,8 @@ class SequenceParallelLoss(nn.Module):
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tile_tokens: int) -> torch.Tensor:
         """The same mean with the loss tiled (``GPTConfig.loss_tile_tokens``): this rank's tiled sum
         over its tokens, then the exact token mean over the sequence group."""
+        from partita.sequence.tiling import tiled_cross_entropy  # lazily: it imports torch._dynamo (see __init__)
+
         loss_sum = tiled_cross_entropy(hidden, weight, targets, tile_tokens=tile_tokens, reduction="sum")
         count = (targets.reshape(-1) != IGNORE_INDEX).sum()
         return sequence_token_mean(loss_sum, count, group=self.group)

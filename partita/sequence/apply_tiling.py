@@ -15,7 +15,6 @@ from __future__ import annotations
 from torch import nn
 
 from partita.sequence.config import SequenceTilingConfig
-from partita.sequence.tiling import apply_tiled_mlp
 
 __all__ = ["apply_sequence_tiling"]
 
@@ -46,6 +45,8 @@ def apply_sequence_tiling(model: nn.Module, config: SequenceTilingConfig, *, ten
             f"sequence_tiling.mlp_tile_tokens={config.mlp_tile_tokens} on {type(model).__name__}: name the token-wise "
             "modules to tile with sequence_tiling.mlp_module_types (class names, e.g. [\"LlamaMLP\"])"
         )
+    from partita.sequence.tiling import apply_tiled_mlp  # lazily: it imports torch._dynamo (see __init__)
+
     return apply_tiled_mlp(model, tile_tokens=config.mlp_tile_tokens, module_types=config.mlp_module_types)
 
 
