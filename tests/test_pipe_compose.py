@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.test_pipe_parity import BASE_SEED, DIM, MICRO, VOCAB, global_batches, lm_head, lm_loss
+from tests.test_pipe_parity import (BASE_SEED, DIM, MICRO, VOCAB, build_like_the_pipeline, global_batches, lm_head,
+                                    lm_loss)
 
 HIDDEN = 8
 N_BLOCKS = 4
@@ -51,14 +52,7 @@ def layer_specs():
 
 def reference(micro_batches: int, data: int) -> dict:
     """Single-process torch on the whole global batch: losses, pre-clip norms, final weights."""
-    built = {}
-    for i, spec in enumerate(layer_specs()):
-        key = getattr(spec, "key", None)
-        if key is not None and key in built:
-            continue
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(BASE_SEED + i)
-            built[key if key is not None else i] = spec.build()
+    built = build_like_the_pipeline(layer_specs())
     embed, blocks = built["embed"], [built[i] for i in range(1, N_BLOCKS + 2)]
     params = [p for m in [embed, *blocks] for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)

@@ -57,17 +57,24 @@ def global_batches(micro_batches: int, data: int) -> tuple[torch.Tensor, torch.T
     return ids[..., :-1], ids[..., 1:]
 
 
-def reference(micro_batches: int, data: int) -> dict:
-    """Single-process torch: the same layers and seeds, the whole global batch per step."""
-    torch.manual_seed(0)
+def build_like_the_pipeline(specs: list) -> dict:
+    """Each spec built with the seed PipelineModule(seed_layers=True) gives it (BASE_SEED + its
+    index), a tied spec once under its key: the single-process copy of the pipeline's layers."""
     built = {}
-    for i, spec in enumerate(layer_specs()):
+    for i, spec in enumerate(specs):
         key = getattr(spec, "key", None)
         if key is not None and key in built:
             continue
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(BASE_SEED + i)
             built[key if key is not None else i] = spec.build()
+    return built
+
+
+def reference(micro_batches: int, data: int) -> dict:
+    """Single-process torch: the same layers and seeds, the whole global batch per step."""
+    torch.manual_seed(0)
+    built = build_like_the_pipeline(layer_specs())
     embed = built["embed"]
     blocks = [built[i] for i in range(1, N_BLOCKS + 2)]
     params = [p for m in [embed, *blocks] for p in m.parameters()]
