@@ -13,7 +13,7 @@ from partita.config import load_config
 from partita.config.base import ConfigError
 from partita.pipe.partition import partition_balanced, partition_by_method, partition_uniform
 from tests.harness import run_distributed
-from tests.test_pipe_parity import BASE_SEED, MICRO, global_batches, layer_specs, lm_head, lm_loss
+from tests.test_pipe_parity import BASE_SEED, MICRO, build_like_the_pipeline, global_batches, layer_specs, lm_head, lm_loss
 
 # The parity model's layers: Embedding(11, 8), four Blocks (8x8 Linear), LayerNorm(8), the tied head.
 NAMES = ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Embedding"]
@@ -148,15 +148,7 @@ def api_body() -> dict:
 
 def _reference_losses() -> tuple[float, list[float]]:
     """The parity model's loss on global batch 0 (and per micro-batch) at its initial weights."""
-    from partita.pipe import TiedLayerSpec
-
-    built = {}
-    for i, spec in enumerate(layer_specs()):
-        key = spec.key if isinstance(spec, TiedLayerSpec) else i
-        if key not in built:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(BASE_SEED + i)
-                built[key] = spec.build()
+    built = build_like_the_pipeline(layer_specs())
     xs, ys = global_batches(2, 1)
     with torch.no_grad():
         h = built["embed"](xs[0])
