@@ -20,7 +20,11 @@ not require grad) whose ``.grad`` is ``master.grad[lo:hi]``, its state is the bu
 options are copied from ``inner.param_groups[g]`` every step (so LR schedulers, which drive the
 inner optimizer, keep working) — and the buffers are written back. ``pipeline_read`` reads the
 next range while this one steps; ``pipeline_write`` writes a stepped range while the next one
-steps; all writes have finished when ``step`` returns.
+steps; all writes have finished when ``step`` returns. With ``pipeline_read``, the end of a step
+also starts reading the next step's first ranges into the buffers just freed (as many as the pool
+holds), so those reads overlap the next forward and backward; they are kept across steps in
+``buffer_count`` buffers that exist anyway, and dropped before a checkpoint load rewrites the files.
+Each step records its traffic and timing in ``last_step`` (:mod:`partita.offload.swap_stats`).
 
 Why stepping ranges separately is exact: the supported optimizers (:data:`SWAPPABLE_OPTIMIZERS`)
 are element-wise — each element's update depends only on that element's weight, gradient and
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -51,7 +56,9 @@ import torch
 from partita.config.base import ConfigError
 from partita.offload.buffer_pool import PinnedBufferPool
 from partita.offload.config import AioConfig, OffloadOptimizerConfig
+from partita.offload.errors import BufferPoolError, NvmeSwapError
 from partita.offload.nvme import NvmeSwapStore
+from partita.offload.swap_stats import SwapStepStats
 from partita.optim.lion import Lion
 
 if TYPE_CHECKING:
@@ -103,6 +110,7 @@ class _Slot:
     tensors: dict[str, torch.Tensor]  # state key -> a view of one buffer, ``unit.numel`` elements
     reads: list[cf.Future] = field(default_factory=list)
     writes: list[cf.Future] = field(default_factory=list)
+    read_bytes: int = 0  # state bytes its reads bring in (0 before a group's first step)
 
 
 def _probe_state(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> _StateSpec:
@@ -176,6 +184,9 @@ class SwappedOptimizerStates:
         self._specs = {g: _probe_state(cls, self._options(inner, g)) for g in self.swapped_groups}
         # A group's files hold valid state only after its first applied step (or a load).
         self._initialised = {g: False for g in self.swapped_groups}
+        self._prefetched: deque[_Slot] = deque()  # the next step's first ranges, reads started (_prefetch)
+        self.last_step: SwapStepStats | None = None  # traffic and timing of the latest step
+        self.totals = SwapStepStats(steps=0)  # summed over every step so far
         wide = {k: d for spec in self._specs.values() for k, d in spec.swapped.items() if d.itemsize > 4}
         if wide:
             raise NotImplementedError(
@@ -259,9 +270,11 @@ class SwappedOptimizerStates:
         states of those that did not are kept (their master weights are restored by the caller,
         :meth:`ShardedOptimizer._restore_unused`), as the in-memory path does.
         """
+        started, io_before = time.perf_counter(), self.store.io_counters()
+        stats = SwapStepStats()
         units = [u for g in self.swapped_groups if self.groups[g].master.grad is not None for u in self._ranges[g]]
         try:
-            self._run(inner, units, used)
+            self._run(inner, units, used, stats)
         finally:
             for g in self.swapped_groups:
                 self.groups[g].master.grad = None
@@ -271,41 +284,53 @@ class SwappedOptimizerStates:
         inner.step()
         for g in {u.group for u in units}:
             self._initialised[g] = True
+        stats.seconds = time.perf_counter() - started
+        stats.io = self.store.io_counters() - io_before
+        self.last_step = stats
+        self.totals.add(stats)
+        self._prefetch(units)
 
-    def _run(self, inner: torch.optim.Optimizer, units: list[_Range], used: list[list[bool]]) -> None:
+    def _run(self, inner: torch.optim.Optimizer, units: list[_Range], used: list[list[bool]], stats: SwapStepStats) -> None:
         behind: deque[_Slot] = deque()  # stepped ranges whose writes may still be in flight
+        ready = self._take_prefetched(units)  # opened slots of units[i], units[i+1], ... (reads started)
+        stats.prefetched = len(ready)
         current: _Slot | None = None
-        ahead: _Slot | None = None
         try:
             for i, unit in enumerate(units):
-                current = ahead if ahead is not None else self._open_slot(unit, behind)
-                ahead = None
-                if self.pipeline_read and i + 1 < len(units):
-                    ahead = self._open_slot(units[i + 1], behind)  # its reads overlap this range's step
+                current = ready.popleft() if ready else self._open_slot(unit, behind, stats)
+                if self.pipeline_read and i + 1 < len(units) and not ready:
+                    ready.append(self._open_slot(units[i + 1], behind, stats))  # its reads overlap this range's step
+                t0 = time.perf_counter()
                 self._finish(current.reads)
+                t1 = time.perf_counter()
                 self._step_range(inner, current, used)
+                stats.read_wait_s += t1 - t0
+                stats.compute_s += time.perf_counter() - t1
+                stats.bytes_read += current.read_bytes
+                stats.ranges += 1
                 for state_key, key in unit.swap_keys.items():
                     current.writes.append(self.store.write(key, current.tensors[state_key]))
+                    stats.bytes_written += current.tensors[state_key].nbytes
                 slot, current = current, None
                 if self.pipeline_write:
                     behind.append(slot)  # written while the next range steps
                 else:
-                    self._retire(slot)
+                    self._retire(slot, stats)
             while behind:
-                self._retire(behind.popleft())
+                self._retire(behind.popleft(), stats)
         except BaseException:
             # Wait for every operation still using a buffer, then give the buffers back.
-            for slot in [s for s in (current, ahead) if s is not None] + list(behind):
+            for slot in [s for s in (current,) if s is not None] + list(ready) + list(behind):
                 cf.wait(slot.reads + slot.writes)
                 self._release(slot)
             raise
 
-    def _open_slot(self, unit: _Range, behind: deque[_Slot]) -> _Slot:
+    def _open_slot(self, unit: _Range, behind: deque[_Slot], stats: SwapStepStats | None) -> _Slot:
         """Take buffers for ``unit``'s states (waiting for earlier writes to free some) and start
         reading them; a group not stepped yet has nothing on disk to read."""
         need = len(unit.swap_keys)
         while self.pool.capacity - self.pool.in_use < need and behind:
-            self._retire(behind.popleft())
+            self._retire(behind.popleft(), stats)
         buffers = [self.pool.acquire() for _ in range(need)]
         tensors = {}
         for buffer, (state_key, dtype) in zip(buffers, self._specs[unit.group].swapped.items()):
@@ -318,11 +343,49 @@ class SwappedOptimizerStates:
             try:
                 for state_key, key in unit.swap_keys.items():
                     slot.reads.append(self.store.read(key, tensors[state_key]))
+                    slot.read_bytes += tensors[state_key].nbytes
             except BaseException:
                 cf.wait(slot.reads)
                 self._release(slot)
                 raise
         return slot
+
+    # ---- prefetch: the next step's first ranges, read while forward and backward run ---------
+    def _prefetch(self, units: list[_Range]) -> None:
+        """With ``pipeline_read``, start reading the first ranges of the next step now, into the
+        buffers this step has just freed: their reads then overlap the next forward and backward
+        instead of delaying the next step. Exact: a state file changes only in a step or a load,
+        and a load drops the prefetched buffers first (:meth:`_drop_prefetched`)."""
+        if not self.pipeline_read:
+            return
+        for unit in units:
+            need = len(unit.swap_keys)
+            if not need or not self._initialised[unit.group] or self.pool.capacity - self.pool.in_use < need:
+                break
+            try:
+                self._prefetched.append(self._open_slot(unit, deque(), None))
+            except (NvmeSwapError, BufferPoolError):
+                break  # the next step reads this range itself, and reports the error there
+
+    def _take_prefetched(self, units: list[_Range]) -> deque[_Slot]:
+        """The prefetched slots that are this step's first units, in order; the others are dropped
+        (a group without a gradient this step)."""
+        ready: deque[_Slot] = deque()
+        prefetched, self._prefetched = self._prefetched, deque()
+        for k, slot in enumerate(prefetched):
+            if len(ready) == k and k < len(units) and slot.unit is units[k]:
+                ready.append(slot)
+            else:
+                cf.wait(slot.reads)
+                self._release(slot)
+        return ready
+
+    def _drop_prefetched(self) -> None:
+        """Wait for the prefetched reads and give their buffers back (before the files change)."""
+        prefetched, self._prefetched = self._prefetched, deque()
+        for slot in prefetched:
+            cf.wait(slot.reads)
+            self._release(slot)
 
     def _step_range(self, inner: torch.optim.Optimizer, slot: _Slot, used: list[list[bool]]) -> None:
         unit = slot.unit
@@ -369,12 +432,15 @@ class SwappedOptimizerStates:
         for future in futures:
             future.result()  # raises NvmeSwapError naming the file
 
-    def _retire(self, slot: _Slot) -> None:
+    def _retire(self, slot: _Slot, stats: SwapStepStats | None) -> None:
+        started = time.perf_counter()
         try:
             cf.wait(slot.writes)
             self._finish(slot.writes)
         finally:
             self._release(slot)
+            if stats is not None:
+                stats.write_wait_s += time.perf_counter() - started
 
     def _release(self, slot: _Slot) -> None:
         buffers, slot.buffers = slot.buffers, []
@@ -411,6 +477,8 @@ class SwappedOptimizerStates:
     def release(self, inner: torch.optim.Optimizer, *, write_back: bool) -> None:
         """Drop the swapped groups' states from ``inner.state``; with ``write_back`` (after a load)
         first write them to the swap files and hand their scalars to the proxies."""
+        if write_back:
+            self._drop_prefetched()  # the loaded states replace what the prefetch read
         for g in self.swapped_groups:
             state = inner.state.pop(self.groups[g].master, None)
             if write_back:
