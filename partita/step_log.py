@@ -303,6 +303,9 @@ class StepLogger:
         routing = self._routing.collect()  # collective (an all-reduce) when the model has MoE layers
         metrics.update(routing)
         extra = self.extra_metrics() if self.extra_metrics is not None else {}
+        swapper = getattr(getattr(engine, "optimizer", None), "swapper", None)
+        if swapper is not None:  # NVMe optimizer states: the window's disk traffic per step (offload/swap_stats.py)
+            extra = {**extra, **swapper.window_metrics()}
         metrics.update(extra)
         self.last_metrics = {k: v for k, v in metrics.items() if v is not None}
         self._totals = {k: v for k, v in metrics.items() if k.startswith("avg_") and v is not None}

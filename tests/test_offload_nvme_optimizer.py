@@ -292,6 +292,14 @@ def other_cases(nvme_path: str) -> dict:
     out["missing_path"] = refused(_config(2, 1, **_nvme(os.path.join(nvme_path, "missing"))))
     out["missing_is_config_error"] = issubclass(NvmeConfigError, ConfigError)
 
+    # The step log's line and metrics carry the window's NVMe traffic per step.
+    engine = _engine({**_with_aio(_config(2, 1, **_nvme(nvme_path, read=True))), "steps_per_print": 2})
+    _train(engine, 0, 2)
+    swapper = engine.optimizer.swapper
+    state_bytes = sum(2 * 4 * swapper.groups[g].master.numel() for g in swapper.swapped_groups)
+    out["log"] = (engine._step_log.last_metrics, engine._step_log.last_line, state_bytes)
+    engine.destroy()
+
     # A swap file truncated between steps: the next step names it; the buffers are back in the pool.
     engine = _engine(_with_aio(_config(2, 1, **_nvme(nvme_path, read=True, write=True))))
     _train(engine, 0, 1)
@@ -325,6 +333,11 @@ def test_other_optimizers_and_errors(tmp_path) -> None:
     kind, message = out["missing_path"]
     assert kind == "NvmeConfigError" and "does not exist" in message and "nvme_path" in message, message
     assert out["missing_is_config_error"]
+    metrics, line, state_bytes = out["log"]
+    # Two steps in the window: the first creates the states (writes only), the second reads them.
+    assert metrics["nvme_read_gib"] * 2**30 == state_bytes / 2 and metrics["nvme_write_gib"] * 2**30 == state_bytes
+    assert metrics["nvme_swap_s"] > 0 and 0 < metrics["nvme_busy_s"], metrics
+    assert f" nvme_read_gib={metrics['nvme_read_gib']:.3f} nvme_write_gib=" in line, line
     kind, message = out["truncated"]
     assert kind == "NvmeSwapError" and out["victim"] in message and "wrong size" in message, message
     assert out["in_use_after_error"] == 0

@@ -43,6 +43,7 @@ whole partition's optimizer states while the save runs (what ``"cpu"`` offload h
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import time
 import weakref
@@ -187,6 +188,7 @@ class SwappedOptimizerStates:
         self._prefetched: deque[_Slot] = deque()  # the next step's first ranges, reads started (_prefetch)
         self.last_step: SwapStepStats | None = None  # traffic and timing of the latest step
         self.totals = SwapStepStats(steps=0)  # summed over every step so far
+        self._logged = SwapStepStats(steps=0)  # totals at the last window_metrics()
         wide = {k: d for spec in self._specs.values() for k, d in spec.swapped.items() if d.itemsize > 4}
         if wide:
             raise NotImplementedError(
@@ -349,6 +351,12 @@ class SwappedOptimizerStates:
                 self._release(slot)
                 raise
         return slot
+
+    def window_metrics(self) -> dict[str, float]:
+        """Per-step means since the previous call (the step log's ``nvme_*`` values)."""
+        window = self.totals.minus(self._logged)
+        self._logged = dataclasses.replace(self.totals)
+        return window.log_metrics()
 
     # ---- prefetch: the next step's first ranges, read while forward and backward run ---------
     def _prefetch(self, units: list[_Range]) -> None:
