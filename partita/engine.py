@@ -145,6 +145,8 @@ class Engine:
         ``eval()`` call it themselves; call it after the last ``step()`` before reading the
         model's weights directly. A no-op without a delayed update.
         """
+        if self.zero.one_rank_weights is not None:
+            self.zero.one_rank_weights.restore()  # a forward without backward left blocks freed
         self.optimizer.finish_pending_step()
 
     def destroy(self) -> None:
@@ -216,6 +218,8 @@ class Engine:
                 reducer.finish_backward()
             if self.zero.gatherer is not None:
                 self.zero.gatherer.release_all()  # parameters that got no gradient are still whole
+            if self.zero.one_rank_weights is not None:
+                self.zero.one_rank_weights.restore()  # units whose outputs got no gradient are still freed
         self._samples.end_micro_batch()
         self._backward_pending = True
         return loss

@@ -482,8 +482,10 @@ def test_estimate_against_h200_measurements():
     shape = GPTShape.preset("gpt-1.3b")
     measured = {(1, 0): 52.1, (1, 2): 52.1, (1, 3): 53.9, (2, 2): 44.8, (2, 3): 45.4}
     for (world, stage), gib in measured.items():
-        # That code freed every ZeRO-3 unit at the end of its forward (no stage3_max_reuse_distance yet).
-        setup = Setup(world_size=world, stage=stage, micro_batch=8, stage3_max_reuse_distance=0)
+        # That code freed every ZeRO-3 unit at the end of its forward (no stage3_max_reuse_distance yet),
+        # and kept the whole bf16 replica at stages 0-2 on one rank (no one_rank_free_weights yet).
+        setup = Setup(world_size=world, stage=stage, micro_batch=8, stage3_max_reuse_distance=0,
+                      one_rank_free_weights=False)
         estimate = estimate_memory(shape, setup)
         peak = estimate.peak_accelerator / 2**30
         if stage == 3:
@@ -499,10 +501,12 @@ def test_estimate_against_one_h200_memory_breakdown():
     """docs/performance.md, "Memory breakdown at the peak": one H200, 2026-12-01,
     benchmarks/memory_breakdown_gpu.py (the loop drops the logits, so the estimate's "bf16 logits
     returned to the caller" line is left out). GPT-1.3B, micro-batch 8: ZeRO-1/2 50.59 GiB, ZeRO-3
-    48.34; GPT-6.7B, micro-batch 1, every block checkpointed, ZeRO-3: 101.38. Within 0.5% each."""
+    48.34; GPT-6.7B, micro-batch 1, every block checkpointed, ZeRO-3: 101.38. Within 0.5% each.
+    ZeRO-1/2 then kept the whole bf16 replica (before zero_optimization.one_rank_free_weights)."""
     gpt_6_7b = GPTShape(d_model=4096, n_layers=32, n_heads=32, vocab=50304, seq_len=2048)
-    measured = [(GPTShape.preset("gpt-1.3b"), {"stage": 1, "micro_batch": 8}, 50.59),
-                (GPTShape.preset("gpt-1.3b"), {"stage": 2, "micro_batch": 8}, 50.59),
+    kept = {"one_rank_free_weights": False}
+    measured = [(GPTShape.preset("gpt-1.3b"), {"stage": 1, "micro_batch": 8, **kept}, 50.59),
+                (GPTShape.preset("gpt-1.3b"), {"stage": 2, "micro_batch": 8, **kept}, 50.59),
                 (GPTShape.preset("gpt-1.3b"), {"stage": 3, "micro_batch": 8}, 48.34),
                 (gpt_6_7b, {"stage": 3, "micro_batch": 1, "checkpointing": "every"}, 101.38)]
     for shape, options, gib in measured:

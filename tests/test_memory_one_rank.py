@@ -113,3 +113,156 @@ def test_one_rank_folds_early_keeps_no_unit_and_changes_no_value() -> None:
     # reuse inside the forward still is (once per forward after the first step).
     assert results[(3, 1)][0]["kept"] == 0 and results[(3, 1)][1]["kept"] > 0
     assert results["twice"][0]["kept"] == 2
+
+
+# ----------------------------------------------------------------------------- freed block weights
+# zero_optimization.one_rank_free_weights (partita/zero/one_rank_weights.py): at one process, stages
+# 0-2 free each block's 16-bit weights after its forward and cast them back from the fp32 master
+# before its backward. Against the same run with the key off, in the same process: every loss,
+# every gradient (param.grad and the fp32 partition after each backward), masters and states
+# bitwise equal; the parameter bytes alive at the start of backward are exactly those outside the
+# blocks (embeddings, final norm), which the estimator's start-of-backward phase predicts.
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (NaN gradients of a skipped fp16 step included)."""
+    as_int = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(as_int), b.view(as_int))
+
+
+def _root_param_bytes(model) -> int:
+    outside = [model.tok_emb.weight, model.pos_emb.weight, *model.ln_f.parameters()]  # lm_head is tok_emb
+    return sum(p.numel() * p.element_size() for p in outside)
+
+
+def _live_param_bytes(model) -> int:
+    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int = 1, dtype: str = "bf16",
+                 edit: bool = False, compile_backend: str | None = None) -> dict:
+    import partita
+    from partita.estimate import Setup, estimate_memory
+    from partita.estimate.model_info import model_info
+    from partita.estimate.result import START_BACKWARD
+
+    model = _model()
+    groups = model.optimizer_param_groups(0.1)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, dtype: {"enabled": True},
+           "zero_optimization": {"stage": stage, "one_rank_free_weights": free}, "steps_per_print": 10**6}
+    if dtype == "fp16":
+        cfg["fp16"].update(initial_scale_power=30, hysteresis=1)  # overflows at first: skipped steps
+    if checkpoint:
+        cfg["activation_checkpointing"] = {"policy": "every"}
+    if compile_backend is not None:
+        cfg["compile"] = {"enabled": True, "backend": compile_backend}
+    info = model_info(model, param_groups=groups)
+    predicted = estimate_memory(info, Setup.from_config(cfg, world_size=1)).total(category="parameters",
+                                                                                 phase=START_BACKWARD)
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=groups, config=cfg)
+    weights = engine.zero.one_rank_weights
+    assert (weights is not None) == free, (free, weights)
+    params = list(model.parameters())
+    whole = sum(p.numel() * p.element_size() for p in params)
+    g = torch.Generator().manual_seed(1)
+    out = {"losses": [], "grads": [], "partitions": [], "at_start": [], "whole_between": True}
+    for micro in range(4 * gas):
+        if edit and micro == 2 * gas:
+            # An in-place edit of the model between steps (the master still holds the old values):
+            # today's rule uses the edited weights in this forward and backward; the next step's
+            # write-back puts the master's in again.
+            state = {k: v * 1.5 for k, v in model.state_dict().items()}
+            model.load_state_dict(state)
+        x = torch.randint(0, 37, (2, 8), generator=g)
+        loss = engine(x, x)[1]
+        loss.register_hook(lambda grad: out["at_start"].append(_live_param_bytes(model)))
+        engine.backward(loss)
+        out["grads"].append([None if p.grad is None else p.grad.clone() for p in params])
+        out["partitions"].append([None if grp.grad_partition is None else grp.grad_partition.clone()
+                                  for grp in engine.optimizer.groups])
+        engine.step()
+        out["losses"].append(loss.item())
+        out["whole_between"] &= _live_param_bytes(model) == whole
+    # A training forward that no backward follows leaves blocks freed until the next use; the
+    # state_dict and an eval forward see whole weights.
+    x = torch.randint(0, 37, (2, 8), generator=g)
+    engine(x, x)
+    out["after_lone_forward"] = _live_param_bytes(model)
+    out["state_dict_whole"] = all(v.untyped_storage().nbytes() == v.numel() * v.element_size()
+                                  for v in model.state_dict().values())
+    engine.eval()
+    with torch.no_grad():
+        out["eval_logits"] = engine(x)[0].clone()
+    out.update(
+        masters=[grp.master.clone() for grp in engine.optimizer.groups],
+        states=[{k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for st in engine.optimizer.inner.state.values()],
+        whole=whole, root=_root_param_bytes(model), predicted=predicted,
+        freed_count=weights.freed_count if weights is not None else 0, skipped=engine.skipped_steps,
+    )
+    return out
+
+
+_FREED_CASES = [dict(stage=stage, checkpoint=ckpt, gas=gas) for stage in (1, 2) for ckpt in (False, True)
+                for gas in (1, 2)]
+_FREED_CASES += [dict(stage=0), dict(stage=2, dtype="fp16"), dict(stage=2, edit=True)]
+
+
+def run_freed_cases() -> dict:
+    from partita.zero.one_rank_weights import build_one_rank_weights
+
+    out = {}
+    for case in _FREED_CASES:
+        key = tuple(sorted(case.items()))
+        out[key] = (_train_freed(free=True, **case), _train_freed(free=False, **case))
+    # Where the fp32 master is not the whole model on the weights' device, nothing is freed.
+    import partita
+
+    def built(stage: int, dtype: str = "bf16", **zero) -> bool:
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage, **zero}, "steps_per_print": 10**6}
+        if dtype != "fp32":
+            cfg[dtype] = {"enabled": True}
+        engine, _, _, _ = partita.initialize(model=_model(), config=cfg)
+        if engine.zero.one_rank_weights is None:
+            return False
+        assert build_one_rank_weights(engine.module, engine.optimizer.groups, enabled=True, world_size=2,
+                                      delayed_update=False) is None  # more than one process
+        return True
+
+    out["built"] = {
+        "stage 2": built(2), "stage 3": built(3), "fp32 (parameters are the master)": built(2, "fp32"),
+        "offload_optimizer cpu": built(2, offload_optimizer={"device": "cpu"}),
+        "offload ratio 0.5": built(1, offload_optimizer={"device": "cpu", "ratio": 0.5}),
+    }
+    return out
+
+
+def test_one_rank_freed_block_weights_change_no_value_and_leave_only_the_root_at_backward() -> None:
+    results = run_distributed(run_freed_cases, 1, timeout=600)[0]
+    assert results.pop("built") == {"stage 2": True, "stage 3": False, "fp32 (parameters are the master)": False,
+                                    "offload_optimizer cpu": False, "offload ratio 0.5": False}
+    for case, (on, off) in results.items():
+        assert on["losses"] == off["losses"], case
+        for step_on, step_off in zip(on["grads"] + on["partitions"], off["grads"] + off["partitions"], strict=True):
+            for a, b in zip(step_on, step_off, strict=True):
+                assert (a is None and b is None) or _bitwise_equal(a, b), case
+        for a, b in zip(on["masters"], off["masters"], strict=True):
+            assert torch.equal(a, b), case
+        for a, b in zip(on["states"], off["states"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), case
+        assert torch.equal(on["eval_logits"], off["eval_logits"]), case
+        assert on["whole_between"] and off["whole_between"] and on["state_dict_whole"], case
+        # The start of backward: only the parameters outside the blocks are alive, as predicted.
+        micro_steps = len(on["losses"])
+        edited = dict(case).get("edit")
+        expected = [on["root"]] * micro_steps
+        if edited:  # the edited step keeps today's rule (whole); the step after it writes the master back
+            gas = dict(case).get("gas", 1)
+            expected[2 * gas : 3 * gas] = [on["whole"]] * gas
+        assert on["at_start"] == expected, case
+        assert off["at_start"] == [off["whole"]] * micro_steps, case
+        assert on["predicted"] == on["root"] and off["predicted"] == off["whole"], case
+        assert on["freed_count"] == 3 * (micro_steps - (gas if edited else 0)) + 3, case  # 3 blocks per forward
+        assert on["after_lone_forward"] == on["root"] and off["after_lone_forward"] == off["whole"], case
+    assert results[(("dtype", "fp16"), ("stage", 2))][0]["skipped"] > 0

@@ -202,6 +202,7 @@ class Setup:
     communication_dtype: str | None = None
     grad_accum_dtype: str | None = None
     activation_bytes: int | None = None
+    one_rank_free_weights: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpointing, str):
@@ -340,6 +341,7 @@ class Setup:
             "sub_group_size": zero.sub_group_size,
             "aio_block_size": cfg.aio.block_size,
             "stage3_max_reuse_distance": zero.stage3_max_reuse_distance,
+            "one_rank_free_weights": zero.one_rank_free_weights,
             "offload_optimizer": zero.offload_optimizer.device,
             "offload_ratio": zero.offload_optimizer.ratio,
             "offload_tiers": (zero.offload_optimizer.tiers.fractions.as_tuple()

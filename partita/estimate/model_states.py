@@ -12,6 +12,10 @@ code that allocates the tensors:
   fp32 training and one shard (stage 0, or one rank) below stage 3 the parameters become
   views of it (no second copy); at stage 3 the gatherer keeps no low-precision shard of an
   accelerator master (gathers cast from it).
+- 16-bit parameters at stages 0-2: whole, except on one process without offload
+  (``zero_optimization.one_rank_free_weights``, ``partita/zero/one_rank_weights.py``), where the
+  parameters inside the ZeRO-3 units (the blocks) are freed from each block's forward to its
+  backward: absent at the start of backward, back block by block during it, whole from its end.
 - gradients: the fp32 gradient partition (``ShardedParamGroup.grad_partition``,
   ``partition_numel`` fp32 per group) exists from the first retired reduce bucket in
   backward (world size 1: the first gradient, folded in at once) until the optimizer step.
@@ -54,12 +58,13 @@ import math
 from partita.estimate.groups import ZeroGroup, alignment_of, zero_groups
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
-from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, Line
+from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, WRITE_BACK, Line
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT
 from partita.optim.eight_bit import BLOCK_SIZE
 
 __all__ = [
     "fp32_sums_active",
+    "frees_block_weights",
     "holds_grads_across_micro_batches",
     "model_state_lines",
     "optimizer_state_bytes",
@@ -107,6 +112,15 @@ def fp32_sums_active(setup: Setup) -> bool:
 def holds_grads_across_micro_batches(setup: Setup) -> bool:
     """Stages 0/1 reduce only at the accumulation boundary: param.grad lives through the next forward."""
     return setup.stage <= 1 and setup.gradient_accumulation_steps > 1 and not fp32_sums_active(setup)
+
+
+def frees_block_weights(setup: Setup, groups: list[ZeroGroup]) -> bool:
+    """``zero_optimization.one_rank_free_weights`` applies (partita/zero/one_rank_weights.py): one
+    process, stages 0-2, no group offloaded or aliased to its master, no delayed update."""
+    return (
+        setup.one_rank_free_weights and setup.world_size == 1 and setup.stage < 3 and not setup.delayed_param_update
+        and not any(g.offloaded or g.aliases_params for g in groups)
+    )
 
 
 def _ranges(numel: int, size: int) -> list[int]:
@@ -176,7 +190,18 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         if aliased:
             lines.append(Line("parameters", "fp32 parameters (views of the fp32 master: one copy)", "accelerator",
                               4 * partition(aliased)))
-        if plain:
+        blocks = _sum(plain, lambda g: sum(p.numel for p in g.params if p.unit >= 1)) if frees_block_weights(
+            setup, groups) else 0
+        if plain and blocks:
+            # partita/zero/one_rank_weights.py: the blocks' weights are freed from their forward to
+            # their backward, which brings them back block by block (the walk counts them there).
+            lines.append(Line("parameters", f"{setup.dtype} parameters outside the blocks (embeddings, norms)",
+                              "accelerator", d * (_sum(plain, lambda g: sum(p.numel for p in g.params)) - blocks)))
+            lines.append(Line("parameters", f"{setup.dtype} block parameters (freed from forward to backward)",
+                              "accelerator", d * blocks, frozenset({BACKWARD, END_BACKWARD, STEP, WRITE_BACK}),
+                              note="cast back from the fp32 master before each block's backward",
+                              kind="block_params"))
+        elif plain:
             lines.append(Line("parameters", f"{setup.dtype} parameters", "accelerator",
                               d * _sum(plain, lambda g: sum(p.numel for p in g.params))))
     else:

@@ -18,8 +18,10 @@ we walk backward the way autograd runs it and take the worst point:
 After each event: buckets whose parameters are all ready are launched in order, all but the
 newest ``_IN_FLIGHT`` are retired into the partition, the next bucket holds what is already
 packed. Parameters whose gradient is not ready yet keep gradients held from earlier
-micro-batches (stages 0/1 with accumulation). Everything not changing in backward (model
-states, ZeRO-3 gathered parameters, ...) is added as it is.
+micro-batches (stages 0/1 with accumulation). On one process at stages 0-2 the blocks' 16-bit
+weights come back from the master one block at a time, just before each block's backward
+(``partita/zero/one_rank_weights.py``). Everything not changing in backward (model states,
+ZeRO-3 gathered parameters, ...) is added as it is.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ __all__ = ["DYNAMIC_KINDS", "gpt_backward_walk"]
 
 DYNAMIC_KINDS = frozenset({
     "block_activations", "embeddings", "head", "logits", "loss_grads", "recompute",
-    "grad_partition", "full_grads", "fp32_sums", "reduce_buckets",
+    "grad_partition", "full_grads", "fp32_sums", "reduce_buckets", "block_params",
 })
 """Line kinds whose amount the walk computes itself."""
 
@@ -56,7 +58,9 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         if line.device == "accelerator" and BACKWARD in line.phases and line.kind not in DYNAMIC_KINDS
     )
     partition = sum(line.nbytes for line in lines if line.device == "accelerator" and line.kind == "grad_partition")
+    refills = any(line.kind == "block_params" for line in lines)  # partita/zero/one_rank_weights.py
     params = list(info.params())
+    in_blocks = [p.order for p in params if p.unit >= 1]
     last_block_order = max((p.order for p in params if p.unit >= 1), default=-1)
 
     def event(unit: int, order: int) -> int:
@@ -104,6 +108,9 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         has_partition = retired > 0 if packed else launched > 0
         if one_rank:
             has_partition = ready > 0  # allocated by the first gradient folded in
-        total = saved + recompute + grads + alive + (partition if has_partition else 0)
+        # Freed block weights: each block's are cast back just before its backward (that of block
+        # L - 1 - e, whose recomputation the snapshot holds) and stay.
+        weights = d * sum(numel[o] for o in in_blocks if ready_at[o] <= e + 1) if refills else 0
+        total = saved + recompute + grads + alive + weights + (partition if has_partition else 0)
         worst = max(worst, total)
     return static + worst

@@ -17,6 +17,7 @@ from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
 from partita.zero.gathered import register_owner
 from partita.zero.init_context import forget_init_shards
+from partita.zero.one_rank_weights import OneRankWeights, build_one_rank_weights
 from partita.zero.param_gatherer import ParameterGatherer
 from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
@@ -35,6 +36,7 @@ class ZeroState:
     optimizer: ShardedOptimizer
     reducer: GradientReducer
     gatherer: ParameterGatherer | None = None  # stage 3 only
+    one_rank_weights: OneRankWeights | None = None  # stages 0-2 on one process (partita/zero/one_rank_weights.py)
 
 
 def apply_zero(
@@ -166,8 +168,16 @@ def apply_zero(
             aio=aio or AioConfig(),
         )
         optimizer.param_store = gatherer
+    one_rank = None
+    if gatherer is None:
+        # One process: each block's 16-bit weights are freed between its forward and its backward.
+        one_rank = build_one_rank_weights(module, groups, enabled=config.one_rank_free_weights,
+                                          world_size=topology.world_size,
+                                          delayed_update=offload.enabled and offload.delayed_param_update)
+        if one_rank is not None:
+            optimizer.after_write_back.append(one_rank.synced)
     forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now
-    state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer)
+    state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer, one_rank_weights=one_rank)
     register_owner((p for g in groups for p in g.params), state)
     return state
 

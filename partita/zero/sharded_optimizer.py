@@ -81,6 +81,8 @@ class ShardedOptimizer:
         # ZeRO-3: the gatherer keeps sharded parameters' low-precision shards; only
         # persistent (small) parameters are written back whole after a step.
         self.param_store = None
+        # Called once the master has been written into the model (partita/zero/one_rank_weights.py).
+        self.after_write_back: list[Callable[[], None]] = []
         # ZeRO-Infinity (offload_optimizer.device "nvme"): the optimizer states of offloaded groups
         # live in swap files and are stepped sub-group by sub-group (partita/offload/nvme_optimizer.py).
         self.swapper: SwappedOptimizerStates | None = None
@@ -329,6 +331,8 @@ class ShardedOptimizer:
         for g, group in enumerate(self.groups):
             self.write_back_group(g)
             group.upload_copy_sent()
+        for listener in self.after_write_back:
+            listener()
 
     def bucket_layout(self, g: int) -> list[Bucket]:
         """Group ``g``'s write-back (all-gather) buckets, in the order they are gathered."""

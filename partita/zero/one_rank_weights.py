@@ -1,0 +1,206 @@
+"""One process, ZeRO stages 0-2: each block's 16-bit weights are freed between its forward and
+its backward, and cast back from the fp32 master just before the backward needs them.
+
+[Note: why this is exact]
+With one ZeRO rank the fp32 master partition holds every trainable parameter whole, on the
+parameters' device. Outside forward and backward each 16-bit parameter equals its master slice
+cast to the model dtype: at the start the master is the exact upcast of the 16-bit weights, so
+casting back is exact, and every optimizer step writes the weights back as ``master.to(dtype)``
+(``ShardedOptimizer.write_back_params``), which is the same cast as the refill here. Nothing
+changes the master between a forward and its backward, so the refilled values are bitwise the
+kept ones, and so are every gradient and loss (tests/test_memory_one_rank.py).
+
+[Note: what it saves]
+Stages 1-2 at one rank kept the whole 16-bit replica beside every activation at the start of
+backward, the step's memory peak (GPT-1.3B: 2.45 GiB, of which 2.25 GiB in the 24 blocks; FSDP2
+and partita ZeRO-3 at one rank hold only what runs). Here a *unit* (ZeRO-3's: the children of
+every ``nn.ModuleList`` and modules marked with ``set_z3_leaf_modules``,
+``param_gatherer.find_units``) frees its parameters' storage in place when its training forward
+ends (``untyped_storage().resize_(0)``: the tensors autograd saved keep pointing at the same
+storage), and ZeRO-3's identity on the unit's outputs (``_GatherBeforeBackward``) refills them
+when gradients reach those outputs, before the unit's own backward. Refilled units stay whole:
+the backward frees activations much faster than it brings weights back, and at the end of
+backward the model is whole again, as ZeRO-1/2 promise between steps. Parameters outside every
+unit (embeddings, final norm, tied weights) are never freed. Cost: one cast of each block's
+weights per backward (GPT-1.3B: 2.25 GiB written, ~2 ms on an H200).
+
+[Note: when it is off]
+Built only when the whole job is one process (no data, tensor, sequence or pipeline axis), no
+optimizer group is offloaded and no update is delayed, the model is not a ``PipelineModule``,
+and ``zero_optimization.one_rank_free_weights`` is true (the default). Per unit and forward it
+also keeps the weights whole when: the forward runs in eval mode or without grad, inside a
+recomputation, or while TorchDynamo traces the hooks; the unit is a compiled region that records
+CUDA graphs (they replay fixed addresses); or a parameter was modified in place since the master
+was last written into it (``param._version`` moved: ``load_state_dict`` between steps, say), so
+the master is not its value until the next step writes it back. A parameter is freed only if it
+owns its whole storage alone. Any parameter still freed (a unit whose outputs got no gradient, a
+forward without backward) is refilled at the end of ``engine.backward``, by
+``engine.finish_pending_step`` (eval, checkpoints, exports) and before ``model.state_dict()``.
+A model that reads a block's weights outside that block's forward (not through a submodule
+call) must turn the key off, as under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from partita.tensor_containers import map_tensors, tensors_in
+from partita.zero.param_gatherer import _GatherBeforeBackward, _in_backward_pass, _is_inside, find_units
+from partita.zero.shard_group import ShardedParamGroup
+
+__all__ = ["OneRankWeights", "build_one_rank_weights"]
+
+def build_one_rank_weights(
+    module: nn.Module,
+    groups: list[ShardedParamGroup],
+    *,
+    enabled: bool,
+    world_size: int,
+    delayed_update: bool,
+) -> OneRankWeights | None:
+    """The freeing for ``module`` when it applies (see [Note: when it is off]), else None."""
+    from partita.pipe import PipelineModule
+
+    if not enabled or world_size != 1 or delayed_update or isinstance(module, PipelineModule):
+        return None
+    if any(g.offloaded or g.aliases_params or g.layout.num_shards != 1 for g in groups):
+        return None
+    weights = OneRankWeights(module, groups)
+    return weights if weights.num_freeable else None
+
+
+class OneRankWeights:
+    """Frees and refills the 16-bit weights of ``module``'s units (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, groups: list[ShardedParamGroup]) -> None:
+        self._root = module
+        # One shard: a parameter's elements start at its partition offset, unpadded.
+        self._master_of = {param: (group, spec) for group in groups
+                           for param, spec in zip(group.params, group.layout.specs)}
+        self._units = _assign_units(module, _owning_their_storage(module, self._master_of))
+        self._freed: set[nn.Module] = set()
+        # param._version when the master was last written into it (see [Note: when it is off]).
+        self._versions: dict[nn.Parameter, int] = {}
+        self.synced()
+        self.freed_count = 0  # unit forwards that freed their weights (observability and tests)
+        self._hooks = []
+        for unit in self._units:
+            self._hooks.append(unit.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(unit.register_forward_hook(self._post_forward))
+        self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.restore()))
+
+    @property
+    def num_freeable(self) -> int:
+        """Elements of the parameters this frees between a unit's forward and its backward."""
+        return sum(p.numel() for params in self._units.values() for p in params)
+
+    def freed_numel(self) -> int:
+        """Elements of parameters freed right now."""
+        return sum(p.numel() for unit in self._freed for p in self._units[unit])
+
+    def synced(self) -> None:
+        """The master has just been written into every parameter (``write_back_params``)."""
+        self._versions = {p: p._version for params in self._units.values() for p in params}
+
+    def restore(self) -> None:
+        """Refill every freed parameter: the model is whole again."""
+        for unit in list(self._freed):
+            self._refill(unit)
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward(self, unit: nn.Module, args: Any) -> None:
+        if unit in self._freed:  # a second forward before the backward, or a recomputation
+            self._refill(unit)
+
+    def on_pre_backward(self, unit: nn.Module) -> None:
+        """Gradients reached ``unit``'s outputs (``_GatherBeforeBackward``): its weights are needed."""
+        if unit in self._freed:
+            self._refill(unit)
+
+    def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
+        if not (self._root.training and torch.is_grad_enabled()) or _in_backward_pass():
+            return None  # no backward follows, or this is the recomputation right before it
+        if torch.compiler.is_compiling() or _records_cuda_graphs(unit):
+            return None
+        params = self._units[unit]
+        if any(p._version != self._versions[p] for p in params):
+            return None  # edited in place since the last write-back: the master is not its value
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if not tensors:
+            return None  # nothing would bring the weights back before a backward
+        for param in params:
+            param.data.untyped_storage().resize_(0)
+        self._freed.add(unit)
+        self.freed_count += 1
+        wrapped = _GatherBeforeBackward.apply(self, unit, *tensors)
+        replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
+        return map_tensors(output, lambda t: replacement.get(id(t), t))
+
+    @torch.no_grad()
+    def _refill(self, unit: nn.Module) -> None:
+        # Through .data: neither the resize nor the copy moves the parameter's version counter,
+        # so autograd's saved references stay valid.
+        for param in self._units[unit]:
+            param.data.untyped_storage().resize_(param.numel() * param.element_size())
+            group, spec = self._master_of[param]
+            start = spec.partition_offset
+            param.data.copy_(group.master[start : start + spec.numel].view(spec.shape))
+        self._freed.discard(unit)
+
+    def remove_hooks(self) -> None:
+        self.restore()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _owning_their_storage(module: nn.Module, params: Iterable[nn.Parameter]) -> set[nn.Parameter]:
+    """The parameters whose storage holds them alone: freeing it frees nothing else."""
+    users: dict[int, int] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        key = tensor.untyped_storage().data_ptr()
+        users[key] = users.get(key, 0) + 1
+    return {
+        p for p in params
+        if p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        and users.get(p.untyped_storage().data_ptr()) == 1
+    }
+
+
+def _assign_units(module: nn.Module, freeable: set[nn.Parameter]) -> dict[nn.Module, list[nn.Parameter]]:
+    """Each freeable parameter's unit, by ZeRO-3's rule (``ParameterGatherer._assign_units``): the
+    innermost unit containing it; one shared by two units that do not nest stays whole (ZeRO-3's
+    root), as does everything outside the units."""
+    units = find_units(module)[1:]
+    owner: dict[nn.Parameter, nn.Module | None] = {}
+    for unit in units:  # outermost first: inner units overwrite
+        for param in unit.parameters():
+            if param in freeable:
+                owner[param] = unit
+    for unit in units:
+        for param in unit.parameters():
+            held = owner.get(param)
+            if held is not None and held is not unit and not _is_inside(held, unit):
+                owner[param] = None
+    result: dict[nn.Module, list[nn.Parameter]] = {}
+    for param, unit in owner.items():
+        if unit is not None:
+            result.setdefault(unit, []).append(param)
+    return result
+
+
+def _records_cuda_graphs(unit: nn.Module) -> bool:
+    """A unit compiled by partita (partita/compile) in a mode that records CUDA graphs."""
+    if "forward" not in unit.__dict__:
+        return False  # not compiled: the common case, one dict lookup
+    from partita.compile.apply import _CUDA_GRAPH_MODES, _compiled_of
+
+    compiled = _compiled_of(unit)
+    if compiled is None:
+        return False
+    kwargs = compiled.settings.kwargs
+    return kwargs.get("mode") in _CUDA_GRAPH_MODES or bool((kwargs.get("options") or {}).get("triton.cudagraphs"))
