@@ -8,9 +8,13 @@ is ``buffer_count x STAGING_BYTES`` whatever the model size:
   a staging buffer on a side CUDA stream, and a worker thread adds it into the fp32 host
   gradient partition once the copy's event has fired. Backward keeps launching kernels
   meanwhile; the host add of one bucket overlaps the reduction of the next.
-- parameters up (:meth:`HostTransfer.upload`): an fp32 master slice is cast into a staging
-  buffer on the host and copied to the device asynchronously on the current stream, so the
-  all-gather that follows is ordered after it with no host synchronisation.
+- parameters up (:meth:`HostTransfer.upload`): an fp32 master slice goes to the device
+  asynchronously on the current stream, so the all-gather that follows is ordered after it
+  with no host synchronisation. A master page-locked in place (:meth:`HostTransfer.pin_in_place`)
+  is copied as it is, in fp32, and cast on the device: the host does no work for the upload
+  (on one H200 host the fp32 -> bf16 cast of GPT-1.3B's master cost 131 ms of a host that is
+  the step's bottleneck, against ~55 ms more of PCIe that overlaps the next bucket's step).
+  Any other source is cast into a staging buffer on the host, halving the bytes sent.
 
 Why our own code: torch has the pieces (pinned memory, streams, events, non-blocking
 copies) but no component that pipelines them; DeepSpeed's is inside its ZeRO optimizer.
@@ -66,6 +70,9 @@ class HostTransfer:
         self._worker.start()
         self.bytes_down = 0
         self.bytes_up = 0
+        # Host tensors page-locked in place (cudaHostRegister), held until close(): freeing
+        # registered memory before unregistering it would leave the driver a stale range.
+        self._registered: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ worker
 
@@ -180,6 +187,27 @@ class HostTransfer:
 
     # ------------------------------------------------------------------ parameters up
 
+    def pin_in_place(self, tensor: torch.Tensor) -> bool:
+        """Page-lock ``tensor``'s memory where it is (no copy, no rounding of its size), so the
+        copy engine reads it directly; False where that is not possible (no CUDA, pinning off,
+        the driver refused). The tensor is kept alive until :meth:`close` unregisters it.
+
+        Why not ``torch.empty(..., pin_memory=True)``: torch's pinned allocator rounds each
+        request up to a power of two, which for a 5.3 GB master takes 8 GB of locked memory.
+        """
+        if not (self._cuda and self.pool.pinned) or tensor.numel() == 0 or not tensor.is_contiguous():
+            return False
+        nbytes = tensor.numel() * tensor.element_size()
+        if torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0) != 0:
+            return False
+        self._registered[tensor.data_ptr()] = tensor
+        return True
+
+    def _in_registered(self, source: torch.Tensor) -> bool:
+        start = source.data_ptr()
+        end = start + source.numel() * source.element_size()
+        return any(base <= start and end <= base + t.numel() * t.element_size() for base, t in self._registered.items())
+
     def upload(self, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``source`` (host, fp32) cast to ``dtype`` on the device; returns before the copy ends.
 
@@ -191,6 +219,17 @@ class HostTransfer:
             # Already cast (the delayed update's upload copy): no staging, one asynchronous copy.
             out.copy_(source, non_blocking=self._cuda)
             self.bytes_up += source.numel() * out.element_size()
+            return out
+        if self._cuda and source.dtype == torch.float32 and self._in_registered(source):
+            # Page-locked fp32 master: copy it as it is and cast on the device, a staging
+            # buffer's worth at a time (the fp32 temporaries are reused by the allocator).
+            step = self.pool.buffer_bytes // 4
+            for lo in range(0, source.numel(), step):
+                hi = min(lo + step, source.numel())
+                wide = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+                wide.copy_(source[lo:hi], non_blocking=True)
+                out[lo:hi].copy_(wide)
+                self.bytes_up += (hi - lo) * 4
             return out
         element = out.element_size()
         step = self.pool.buffer_bytes // element
@@ -241,4 +280,9 @@ class HostTransfer:
         if self._worker.is_alive():
             self._tasks.put(None)
             self._worker.join()
+        if self._registered:
+            torch.cuda.synchronize(self.device)  # no copy may still read a range being unregistered
+            for base in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(base)
+            self._registered.clear()
         self.pool.close()

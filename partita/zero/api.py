@@ -149,7 +149,7 @@ def apply_zero(
         comm_dtype=comm_dtype,
         predivide_factor=predivide_factor,
         accumulate_in_fp32=accumulate_in_fp32,
-        download_during_backward=offload.enabled and offload.delayed_param_update,
+        download_during_backward=offload.enabled,
     )
     gatherer = None
     if policy.shard_parameters:

@@ -120,11 +120,9 @@ class GradientReducer:
     ) -> None:
         self._groups = groups
         # One rank, offloaded groups: send each gradient to the host as backward makes it
-        # instead of after backward. Used with the delayed update only: on one H200 with GPT-1.3B
-        # it cut backward from 278 to 220 ms there (1.62x -> 1.90x DeepSpeed's offload
-        # tokens/s), while without the delayed update the same change made steps slower
-        # (1.28x -> 1.13x DeepSpeed, same-run ratios; cause not yet found, see
-        # docs/performance-notes.md).
+        # instead of after backward (on one H200 with GPT-1.3B: backward 278 -> ~207 ms). It
+        # once made the exact (non-delayed) step slower: its uploads then waited for staging
+        # buffers behind the downloads; they now go up from the page-locked master directly.
         self._download_during_backward = download_during_backward
         self._process_group = process_group
         self._world_size = world_size  # what every gradient is averaged over (the ZeRO world)
@@ -215,7 +213,7 @@ class GradientReducer:
         offloaded = self._groups[bucket.entries[i].group].offloaded
         if bucket.comm.size == 1 and offloaded and not self._download_during_backward:
             # An offloaded partition on one rank: leave the gradient in param.grad and send it
-            # down in finish_backward (downloading during backward made non-delayed steps slower).
+            # down in finish_backward (download_during_backward=False).
             return
         if bucket.comm.size == 1 and i not in bucket.pending:
             # One rank, a second gradient of the same parameter in one backward (reentrant

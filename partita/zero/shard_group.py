@@ -105,6 +105,9 @@ class ShardedParamGroup:
         self.host_transfer = host_transfer
         device = torch.device("cpu") if host_transfer is not None else self.params[0].device
         self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+        # Page-locked where it is (CUDA, pin_memory): the weights then go up from it in fp32
+        # and are cast on the device, so neither step needs a host cast for the upload.
+        self.master_pinned = host_transfer is not None and host_transfer.pin_in_place(self.master)
         self.aliases_params = False
         # The fp32 gradient partition exists only from the first reduced gradient of a step
         # until the optimizer step: allocated during backward (as activations are freed),

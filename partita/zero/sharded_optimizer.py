@@ -94,6 +94,7 @@ class ShardedOptimizer:
         self._fused_adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(
             g.get("fused") for g in inner.param_groups)
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
+        self._uploads_queued: torch.cuda.Event | None = None  # see _note_uploads_queued
         # Model parallelism (tensor axis): the global norm sums over the ranks holding different
         # parts of the model too, and a parameter every tensor rank holds whole (a LayerNorm) is
         # counted on one of them only: ``uncounted_params`` are this rank's such copies, and these
@@ -237,6 +238,11 @@ class ShardedOptimizer:
         offloaded master into its pinned upload copy, so that landing the update in
         :meth:`finish_pending_step` is a plain host-to-device copy, not a host cast as well.
         """
+        if self._uploads_queued is not None:
+            # Weights go up straight from page-locked masters: no copy may still be reading
+            # a master this step is about to change.
+            self._uploads_queued.synchronize()
+            self._uploads_queued = None
         in_kernel = multiplier != 1.0 and self._fused_adam
         if in_kernel:
             # Unscale + clip inside the fused Adam/AdamW kernel (its GradScaler input: grads are
@@ -255,13 +261,20 @@ class ShardedOptimizer:
         for group, grad in zip(self.groups, grads):
             group.master.grad = None
             group.recycle_grad_buffer(grad)
-            if cast_for_upload and group.offloaded and not group.aliases_params:
+            if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
                 group.fill_upload_copy()
+
+    def _note_uploads_queued(self) -> None:
+        """Record (CUDA) that the uploads queued so far read the masters until this point."""
+        if any(g.master_pinned for g in self.groups):
+            self._uploads_queued = torch.cuda.Event()
+            self._uploads_queued.record()
 
     def _step_inner(self, used: list[list[bool]], *, upload: bool) -> None:
         kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
         if upload:
             step_and_upload(self, lambda g, end: self._restore_unused(kept, group=g, end=end))
+            self._note_uploads_queued()
         elif self.swapper is None:
             self.inner.step()
         else:
@@ -331,6 +344,7 @@ class ShardedOptimizer:
         for g, group in enumerate(self.groups):
             self.write_back_group(g)
             group.upload_copy_sent()
+        self._note_uploads_queued()
         for listener in self.after_write_back:
             listener()
 
