@@ -24,7 +24,7 @@ from partita.offload.errors import (
     NvmeSwapError,
     PoolExhaustedError,
 )
-from partita.offload.nvme import NvmeSwapStore
+from partita.offload.nvme import IoCounters, NvmeSwapStore
 
 
 def _aio(**kw) -> AioConfig:
@@ -111,6 +111,36 @@ def test_many_overlapped_writes_and_reads(tmp_path):
             assert torch.equal(outs[key], data[key]), key
         assert store.peak_requests_in_flight <= 3 * 4
         assert store.peak_requests_in_flight > 1  # requests really overlapped
+
+
+def test_io_counters_count_exact_bytes_and_busy_seconds(tmp_path):
+    # A known layout: bf16 and fp32 tensors of sizes that are no multiple of the block (padding is
+    # not counted), plus an empty one (counted as an operation of 0 bytes).
+    sizes = {"a": (3000, torch.float32), "b": (5001, torch.bfloat16), "c": (0, torch.float32)}
+    nbytes = {"a": 12_000, "b": 10_002, "c": 0}
+    with NvmeSwapStore(tmp_path, aio=_aio(queue_depth=2, intra_op_parallelism=2), buffer_count=3, tag="count") as store:
+        store.allocate(sizes)
+        zero = store.io_counters()
+        assert zero == IoCounters()
+        data = {k: _random(n, dt, seed=i) for i, (k, (n, dt)) in enumerate(sizes.items())}
+        started = time.perf_counter()
+        for f in [store.write(k, t) for k, t in data.items()]:
+            f.result(timeout=30)
+        written = store.io_counters()
+        store.read_sync("a", torch.empty(3000))
+        store.read_sync("a", torch.empty(3000))
+        wall = time.perf_counter() - started
+        after = store.io_counters()
+        delta = after - written
+    assert (written.bytes_written, written.writes, written.bytes_read, written.reads) == (22_002, 3, 0, 0)
+    assert (delta.bytes_read, delta.reads, delta.bytes_written, delta.writes) == (2 * 12_000, 2, 0, 0)
+    assert after.bytes_read == store.bytes_read and after.bytes_written == store.bytes_written == sum(nbytes.values())
+    # 4096-byte requests: a = 3 (the last 3712 bytes), b = 3 (the last 1810): 6 per write pass, 3 per read.
+    assert after.direct_requests + after.buffered_requests == 6 + 2 * 3
+    assert written.read_busy_s == 0 and 0 < written.write_busy_s <= written.busy_s
+    assert delta.write_busy_s == 0 and 0 < delta.read_busy_s == pytest.approx(delta.busy_s)
+    assert after.busy_s <= wall and after.busy_s == pytest.approx(after.read_busy_s + after.write_busy_s)
+    assert after.as_dict()["bytes_read"] == 24_000
 
 
 def test_aligned_buffers_use_direct_io(tmp_path):

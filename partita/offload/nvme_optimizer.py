@@ -20,11 +20,15 @@ not require grad) whose ``.grad`` is ``master.grad[lo:hi]``, its state is the bu
 options are copied from ``inner.param_groups[g]`` every step (so LR schedulers, which drive the
 inner optimizer, keep working) — and the buffers are written back. ``pipeline_read`` reads the
 next range while this one steps; ``pipeline_write`` writes a stepped range while the next one
-steps; all writes have finished when ``step`` returns. With ``pipeline_read``, the end of a step
-also starts reading the next step's first ranges into the buffers just freed (as many as the pool
-holds), so those reads overlap the next forward and backward; they are kept across steps in
-``buffer_count`` buffers that exist anyway, and dropped before a checkpoint load rewrites the files.
-Each step records its traffic and timing in ``last_step`` (:mod:`partita.offload.swap_stats`).
+steps, and lets the last ranges' writes finish after ``step`` returns (on a helper thread, while
+the caller uploads the weights and runs the next forward and backward). With ``pipeline_read``,
+the end of a step (after those writes) also starts reading the next step's first ranges into the
+buffers just freed (as many as the pool holds), so those reads overlap the next forward and
+backward too; they are kept across steps in ``buffer_count`` buffers that exist anyway. Order is
+kept where it matters: the next step, a checkpoint save and a load first wait for the deferred
+writes (:meth:`SwappedOptimizerStates.drain`), and a load drops the prefetched buffers before it
+rewrites the files. Each step records its traffic and timing in ``last_step``
+(:mod:`partita.offload.swap_stats`).
 
 Why stepping ranges separately is exact: the supported optimizers (:data:`SWAPPABLE_OPTIMIZERS`)
 are element-wise — each element's update depends only on that element's weight, gradient and
@@ -133,7 +137,8 @@ def _cut(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + sub_group_size, numel)) for lo in range(0, numel, sub_group_size)]
 
 
-def _close(store: NvmeSwapStore, pool: PinnedBufferPool) -> None:
+def _close(tail: cf.ThreadPoolExecutor, store: NvmeSwapStore, pool: PinnedBufferPool) -> None:
+    tail.shutdown(wait=True)  # its writes land and its prefetch is submitted before the store closes
     store.close()
     pool.close()
 
@@ -186,6 +191,9 @@ class SwappedOptimizerStates:
         # A group's files hold valid state only after its first applied step (or a load).
         self._initialised = {g: False for g in self.swapped_groups}
         self._prefetched: deque[_Slot] = deque()  # the next step's first ranges, reads started (_prefetch)
+        # One helper thread finishes a step's last writes after the step returns (_finish_tail).
+        self._tail = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="partita-swap-tail")
+        self._tail_future: cf.Future | None = None
         self.last_step: SwapStepStats | None = None  # traffic and timing of the latest step
         self.totals = SwapStepStats(steps=0)  # summed over every step so far
         self._logged = SwapStepStats(steps=0)  # totals at the last window_metrics()
@@ -220,7 +228,7 @@ class SwappedOptimizerStates:
             self.store.close()
             raise
         # Remove the swap files when the optimizer goes away (the store also does at exit).
-        self._finalizer = weakref.finalize(self, _close, self.store, self.pool)
+        self._finalizer = weakref.finalize(self, _close, self._tail, self.store, self.pool)
 
     # ---- setup -----------------------------------------------------------------------------
     @staticmethod
@@ -276,7 +284,8 @@ class SwappedOptimizerStates:
         stats = SwapStepStats()
         units = [u for g in self.swapped_groups if self.groups[g].master.grad is not None for u in self._ranges[g]]
         try:
-            self._run(inner, units, used, stats)
+            self._join_tail()  # the previous step's last writes: done before any file is read again
+            behind = self._run(inner, units, used, stats)
         finally:
             for g in self.swapped_groups:
                 self.groups[g].master.grad = None
@@ -286,13 +295,44 @@ class SwappedOptimizerStates:
         inner.step()
         for g in {u.group for u in units}:
             self._initialised[g] = True
+        stats.deferred = len(behind)
         stats.seconds = time.perf_counter() - started
         stats.io = self.store.io_counters() - io_before
         self.last_step = stats
         self.totals.add(stats)
+        if behind:
+            # The last ranges' writes land, and then the next step's first ranges are read, on a
+            # helper thread while the caller uploads the weights and runs the next forward/backward.
+            self._tail_future = self._tail.submit(self._finish_tail, behind, units)
+        else:
+            self._prefetch(units)
+
+    def drain(self) -> None:
+        """Wait for the writes a step left in flight (``pipeline_write``) and for the prefetch
+        submission after them; raises what failed there. Steps and checkpoints call it first."""
+        self._join_tail()
+
+    def _join_tail(self) -> None:
+        future, self._tail_future = self._tail_future, None
+        if future is not None:
+            future.result()  # an NvmeSwapError of a deferred write names its file
+
+    def _finish_tail(self, behind: deque[_Slot], units: list[_Range]) -> None:
+        try:
+            while behind:
+                self._retire(behind.popleft(), None)
+        except BaseException:
+            for slot in behind:
+                cf.wait(slot.writes)
+                self._release(slot)
+            raise
         self._prefetch(units)
 
-    def _run(self, inner: torch.optim.Optimizer, units: list[_Range], used: list[list[bool]], stats: SwapStepStats) -> None:
+    def _run(
+        self, inner: torch.optim.Optimizer, units: list[_Range], used: list[list[bool]], stats: SwapStepStats
+    ) -> deque[_Slot]:
+        """Read, step and write ``units``; returns the slots whose writes are still in flight (the
+        last ranges, with ``pipeline_write``), for :meth:`_finish_tail`."""
         behind: deque[_Slot] = deque()  # stepped ranges whose writes may still be in flight
         ready = self._take_prefetched(units)  # opened slots of units[i], units[i+1], ... (reads started)
         stats.prefetched = len(ready)
@@ -318,8 +358,7 @@ class SwappedOptimizerStates:
                     behind.append(slot)  # written while the next range steps
                 else:
                     self._retire(slot, stats)
-            while behind:
-                self._retire(behind.popleft(), stats)
+            return behind
         except BaseException:
             # Wait for every operation still using a buffer, then give the buffers back.
             for slot in [s for s in (current,) if s is not None] + list(ready) + list(behind):
@@ -462,6 +501,7 @@ class SwappedOptimizerStates:
 
         Groups not stepped yet get no state, as in memory. Undo with :meth:`release`.
         """
+        self._join_tail()
         for g in self.swapped_groups:
             if not self._initialised[g]:
                 continue
@@ -485,6 +525,7 @@ class SwappedOptimizerStates:
     def release(self, inner: torch.optim.Optimizer, *, write_back: bool) -> None:
         """Drop the swapped groups' states from ``inner.state``; with ``write_back`` (after a load)
         first write them to the swap files and hand their scalars to the proxies."""
+        self._join_tail()
         if write_back:
             self._drop_prefetched()  # the loaded states replace what the prefetch read
         for g in self.swapped_groups:

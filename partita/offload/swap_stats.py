@@ -29,6 +29,7 @@ class SwapStepStats:
     bytes_written: int = 0
     ranges: int = 0  # sub-groups stepped
     prefetched: int = 0  # of which the reads were started before the step began
+    deferred: int = 0  # ranges whose writes were still in flight when the step returned
     steps: int = 1  # steps summed into this record (totals)
     io: IoCounters = field(default_factory=IoCounters)
 
