@@ -179,6 +179,8 @@ def _drop_library_references(groups: list[dist.ProcessGroup]) -> int:
     targets = {id(pg) for pg in groups}
     dropped = 0
     for obj in gc.get_objects():
+        if type(obj) in weakref.ProxyTypes:
+            continue  # torch.compile keeps weakref proxies: any look at a dead one raises ReferenceError
         if isinstance(obj, types.FunctionType):
             dropped += _drop_from_defaults(obj, targets)
             continue
