@@ -152,7 +152,7 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, dtype: {"enabled": True},
            "zero_optimization": {"stage": stage, "one_rank_free_weights": free}, "steps_per_print": 10**6}
     if dtype == "fp16":
-        cfg["fp16"].update(initial_scale_power=30, hysteresis=1)  # overflows at first: skipped steps
+        cfg["fp16"].update(initial_scale_power=18, hysteresis=1)  # overflows at first: skipped steps
     if checkpoint:
         cfg["activation_checkpointing"] = {"policy": "every"}
     if compile_backend is not None:
@@ -199,13 +199,19 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
         states=[{k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for st in engine.optimizer.inner.state.values()],
         whole=whole, root=_root_param_bytes(model), predicted=predicted,
         freed_count=weights.freed_count if weights is not None else 0, skipped=engine.skipped_steps,
+        applied=engine.global_steps - engine.skipped_steps, compiled=engine.is_compiled,
     )
+    if compile_backend is not None:
+        from partita.compile.apply import compile_stats
+
+        out["graphs"] = sum(s.graphs for s in compile_stats(model).values())
     return out
 
 
 _FREED_CASES = [dict(stage=stage, checkpoint=ckpt, gas=gas) for stage in (1, 2) for ckpt in (False, True)
                 for gas in (1, 2)]
-_FREED_CASES += [dict(stage=0), dict(stage=2, dtype="fp16"), dict(stage=2, edit=True)]
+_FREED_CASES += [dict(stage=0), dict(stage=2, dtype="fp16"), dict(stage=2, edit=True),
+                 dict(stage=2, compile_backend="aot_eager"), dict(stage=1, checkpoint=True, compile_backend="aot_eager")]
 
 
 def run_freed_cases() -> dict:
@@ -214,7 +220,8 @@ def run_freed_cases() -> dict:
     out = {}
     for case in _FREED_CASES:
         key = tuple(sorted(case.items()))
-        out[key] = (_train_freed(free=True, **case), _train_freed(free=False, **case))
+        off = _train_freed(free=False, **case)  # first: compiled cases then find TorchDynamo's graphs cached
+        out[key] = (_train_freed(free=True, **case), off)
     # Where the fp32 master is not the whole model on the weights' device, nothing is freed.
     import partita
 
@@ -265,4 +272,10 @@ def test_one_rank_freed_block_weights_change_no_value_and_leave_only_the_root_at
         assert on["predicted"] == on["root"] and off["predicted"] == off["whole"], case
         assert on["freed_count"] == 3 * (micro_steps - (gas if edited else 0)) + 3, case  # 3 blocks per forward
         assert on["after_lone_forward"] == on["root"] and off["after_lone_forward"] == off["whole"], case
-    assert results[(("dtype", "fp16"), ("stage", 2))][0]["skipped"] > 0
+    fp16 = results[(("dtype", "fp16"), ("stage", 2))][0]
+    assert fp16["skipped"] > 0 and fp16["applied"] > 0, fp16  # overflows skipped, later steps applied
+    # Compiled blocks are freed too, and freeing makes TorchDynamo build no graph the same run
+    # without it had not built (guards do not look at storage sizes).
+    compiled = [(on, off) for case, (on, off) in results.items() if dict(case).get("compile_backend")]
+    assert all(on["compiled"] and off["compiled"] and on["graphs"] == 0 for on, off in compiled)
+    assert sum(off["graphs"] for _, off in compiled) > 0
