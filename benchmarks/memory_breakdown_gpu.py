@@ -18,7 +18,11 @@ partita rows also carry the estimator's peak (``partita estimate``) for the same
     python benchmarks/memory_breakdown_gpu.py --json $OUT/breakdown.json
     python benchmarks/memory_breakdown_gpu.py --model gpt_7b --micro-batch 1 --checkpoint \\
         --engines partita3,fsdp2 --json $OUT/breakdown_7b.json
+    python benchmarks/memory_breakdown_gpu.py --engines partita2-kept,partita2,partita1 --steps 6
     python benchmarks/memory_breakdown_gpu.py --tiny        # CPU: the same logic, no GPU
+
+``partitaN-kept`` runs stage N with ``zero_optimization.one_rank_free_weights`` off (the whole
+bf16 replica kept, as before that key), for an A/B of it in one run.
 
 ``--tiny`` runs a small GPT on CPU over gloo (fp32, no snapshot: CPU has no allocator trace) and
 checks the peak replay on a synthetic trace, so the script's logic is exercised without a GPU.
@@ -44,6 +48,7 @@ FRAME_RULES: tuple[tuple[str, str, str], ...] = (
     # (file substring, function substring, category)
     ("partita/zero/shard_group.py", "", "fp32 gradient partition"),
     ("partita/zero/param_gatherer.py", "", "ZeRO-3 gathered parameters"),
+    ("partita/zero/one_rank_weights.py", "", "bf16 block parameters cast back for backward"),
     ("partita/offload/param_offload.py", "", "ZeRO-3 gathered parameters"),
     ("partita/zero/reducer.py", "", "gradient reduce buckets"),
     ("partita/zero/sharded_optimizer.py", "", "step: norm / clip / write-back temporaries"),
@@ -203,12 +208,15 @@ def run_setting(args: argparse.Namespace) -> dict[str, Any]:
         import partita
         from partita.estimate import GPTShape, Setup, estimate_memory
 
-        stage = int(args.worker.removeprefix("partita"))
+        # "partitaN-kept": stage N with zero_optimization.one_rank_free_weights off (the whole bf16
+        # replica kept through forward and backward, as before it existed).
+        name, kept = args.worker.removesuffix("-kept"), args.worker.endswith("-kept")
+        stage = int(name.removeprefix("partita"))
         cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                "gradient_clipping": 1.0, "steps_per_print": 10**6,
                "optimizer": {"type": "AdamW", "params": adamw},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 500_000_000,
-                                     "allgather_bucket_size": 500_000_000}}
+                                     "allgather_bucket_size": 500_000_000, "one_rank_free_weights": not kept}}
         if cuda:
             cfg["bf16"] = {"enabled": True}
         shape = GPTShape(d_model=config.n_embd, n_layers=config.n_layer, n_heads=config.n_head, vocab=config.vocab_size,
