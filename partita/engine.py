@@ -205,6 +205,7 @@ class Engine:
                 "torch.no_grad() or with engine.eval()-only code?"
             )
         self._step_log.observe_loss(loss)
+        self.optimizer.finish_overlapped_update()  # offload_optimizer.overlap_step_with_forward
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         scaled = loss.float() * (scale / self._batch.gradient_accumulation_steps)
         reducer = self.zero.reducer

@@ -93,6 +93,19 @@ class OffloadOptimizerConfig(StrictSection):
         ),
     )
 
+    overlap_step_with_forward: bool = Field(
+        False,
+        description=(
+            "partita extension: the exact (not delayed) offloaded step returns once the gradient norm "
+            "is known; the host steps the partition bucket by bucket on a worker thread while the next "
+            "forward runs, each module's forward waiting only for the buckets of its own parameters. "
+            "The same update bit for bit; between step() and the next forward, parameters read "
+            "directly may be one update old (engine.finish_pending_step() lands it). Needs device "
+            "\"cpu\", ZeRO stage 1 or 2, torch's Adam/AdamW, and a model whose modules use only their "
+            "own parameters before their own forward. Off by default."
+        ),
+    )
+
     @property
     def enabled(self) -> bool:
         return self.device != "none"
@@ -140,6 +153,27 @@ class OffloadOptimizerConfig(StrictSection):
                 "offload_delay",
                 "delayed_param_update overlaps the host optimizer step with the next step and needs "
                 "offload_optimizer.device \"cpu\" or \"nvme\"; set the device or remove delayed_param_update",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlap_needs_cpu_exact(self) -> OffloadOptimizerConfig:
+        if not self.overlap_step_with_forward:
+            return self
+        if self.device != "cpu":
+            raise PydanticCustomError(
+                "offload_overlap",
+                "overlap_step_with_forward runs the host optimizer step beside the next forward and needs "
+                "offload_optimizer.device \"cpu\" (got \"{device}\"); set device \"cpu\" or remove "
+                "overlap_step_with_forward",
+                {"device": self.device},
+            )
+        if self.delayed_param_update:
+            raise PydanticCustomError(
+                "offload_overlap",
+                "overlap_step_with_forward and delayed_param_update both run the host step beside the next "
+                "step; choose one: overlap_step_with_forward keeps the exact update, delayed_param_update "
+                "also hides the backward but applies each update one step late",
             )
         return self
 

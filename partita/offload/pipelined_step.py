@@ -57,6 +57,22 @@ def step_and_upload(optimizer: ShardedOptimizer, restore_unused) -> None:
     ``restore_unused(g, end)`` puts back the state of parameters that got no gradient within
     partition elements ``[0, end)`` of group ``g`` before they are written back.
     """
+    held = step_accelerator_groups(optimizer, restore_unused)
+    step_offloaded_groups(optimizer, held, restore_unused, snapshot_options(optimizer))
+
+
+def snapshot_options(optimizer: ShardedOptimizer) -> list[dict]:
+    """Each group's options (lr, betas, ...) and the fused kernel's ``grad_scale`` as they are
+    now: a step that runs on after ``step()`` returns must not see the LR scheduler's next rate."""
+    inner = optimizer.inner
+    grad_scale = getattr(inner, "grad_scale", None)
+    return [{**{k: v for k, v in group.items() if k != "params"}, "_grad_scale": grad_scale}
+            for group in inner.param_groups]
+
+
+def step_accelerator_groups(optimizer: ShardedOptimizer, restore_unused) -> dict[int, torch.Tensor | None]:
+    """The inner optimizer's step over the groups that are not offloaded (offload ratio < 1),
+    which also runs its step hooks; returns the offloaded groups' held-back gradients."""
     inner = optimizer.inner
     offloaded = [g for g, group in enumerate(optimizer.groups) if group.offloaded]
     held = {g: optimizer.groups[g].master.grad for g in offloaded}
@@ -67,31 +83,42 @@ def step_and_upload(optimizer: ShardedOptimizer, restore_unused) -> None:
         if g not in held:
             restore_unused(g, group.master.numel())
             optimizer.write_back_group(g)
-    for g in offloaded:
+    return held
+
+
+def step_offloaded_groups(optimizer: ShardedOptimizer, held: dict[int, torch.Tensor | None], restore_unused,
+                          options: list[dict], on_bucket=None) -> None:
+    """Step the offloaded groups bucket by bucket, writing each bucket back once stepped;
+    ``on_bucket(g, b)`` is told when bucket ``b`` of group ``g`` has been written back."""
+    for g in held:
         group = optimizer.groups[g]
         grad = held[g]
         group.master.grad = grad
         if grad is None:  # no gradient anywhere in the group: torch would skip it
             optimizer.write_back_group(g)
+            for b in range(len(optimizer.bucket_layout(g))):
+                on_bucket is not None and on_bucket(g, b)
             continue
-        _step_group_by_bucket(optimizer, g, restore_unused)
+        _step_group_by_bucket(optimizer, g, restore_unused, options[g], on_bucket)
 
 
-def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused) -> None:
+def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, options: dict, on_bucket) -> None:
     inner = optimizer.inner
     group = optimizer.groups[g]
     master, state = group.master, inner.state[group.master]
-    options = {k: v for k, v in inner.param_groups[g].items() if k != "params"}
+    options = dict(options)
+    grad_scale = options.pop("_grad_scale")
     step_before = state["step"].clone()
-    grad_scale = getattr(inner, "grad_scale", None)
     stepped = 0
-    for bucket in optimizer.bucket_layout(g):
+    for b, bucket in enumerate(optimizer.bucket_layout(g)):
         end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, master.numel())
         if end > stepped:
             _step_range(type(inner), options, master, state, step_before, stepped, end, grad_scale)
             stepped = end
         restore_unused(g, stepped)
         optimizer.write_back_group(g, [bucket])
+        if on_bucket is not None:
+            on_bucket(g, b)
     if stepped < master.numel():  # padding after the last bucket
         _step_range(type(inner), options, master, state, step_before, stepped, master.numel(), grad_scale)
     state["step"].copy_(step_before + 1)

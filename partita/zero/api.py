@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from partita.config.base import ConfigError
 from partita.distributed.topology import Topology
 from partita.offload.config import AioConfig
 from partita.offload.tiers import tier_parts
@@ -129,6 +130,16 @@ def apply_zero(
         model_parallel_group=topology.tensor_group if topology.tensor_size > 1 else None,
         uncounted_params=replicated_elsewhere(topology),
     )
+    if offload.overlap_step_with_forward:
+        if policy.shard_parameters:
+            raise ConfigError(
+                "zero_optimization.offload_optimizer.overlap_step_with_forward needs ZeRO stage 1 or 2: stage 3 "
+                "gathers each parameter from its shard at use, so there is no written-back bucket to wait for; "
+                "use stage 2, or remove overlap_step_with_forward"
+            )
+        from partita.offload.overlapped_step import OverlappedStep
+
+        optimizer.overlapped = OverlappedStep(optimizer, module, groups[0].params[0].device)
     if swapped:
         # NVMe-tier groups: everything of "cpu" offload, plus the optimizer states in swap files (ZeRO-Infinity).
         from partita.offload.nvme_optimizer import SwappedOptimizerStates

@@ -19,12 +19,19 @@ import torch
 import torch.distributed as dist
 
 from partita.distributed import collectives
-from partita.offload.pipelined_step import can_pipeline, step_and_upload
+from partita.offload.pipelined_step import (
+    can_pipeline,
+    snapshot_options,
+    step_accelerator_groups,
+    step_and_upload,
+    step_offloaded_groups,
+)
 from partita.zero.partition import Bucket
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 
 if TYPE_CHECKING:
     from partita.offload.nvme_optimizer import SwappedOptimizerStates
+    from partita.offload.overlapped_step import OverlappedStep
 
 
 # Optimizer-state keys of block-wise (8-bit) optimizers; see partita/optim/eight_bit.py.
@@ -95,6 +102,9 @@ class ShardedOptimizer:
             g.get("fused") for g in inner.param_groups)
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
         self._uploads_queued: torch.cuda.Event | None = None  # see _note_uploads_queued
+        # offload_optimizer.overlap_step_with_forward: the exact step runs on beside the next
+        # forward (partita/offload/overlapped_step.py); set by apply_zero.
+        self.overlapped: OverlappedStep | None = None
         # Model parallelism (tensor axis): the global norm sums over the ranks holding different
         # parts of the model too, and a parameter every tensor rank holds whole (a LayerNorm) is
         # counted on one of them only: ``uncounted_params`` are this rank's such copies, and these
@@ -216,7 +226,9 @@ class ShardedOptimizer:
             self._pending = (self._background.submit(self._apply_update, grads, multiplier, used, cast_for_upload=True),
                              after)
             return StepResult(applied=True, grad_norm=norm)
-        if can_pipeline(self):
+        if can_pipeline(self) and self.overlapped is not None:
+            self._start_overlapped_update(grads, multiplier, used)  # runs on beside the next forward
+        elif can_pipeline(self):
             self._apply_update(grads, multiplier, used, upload=True)  # stepped and written back bucket by bucket
         else:
             self._apply_update(grads, multiplier, used)
@@ -264,6 +276,54 @@ class ShardedOptimizer:
             if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
                 group.fill_upload_copy()
 
+    @torch.no_grad()
+    def _start_overlapped_update(self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]]) -> None:
+        """The exact update with the offloaded groups stepped on the overlap worker; what
+        reads shared state (the learning rates, the clip divisor, the on-accelerator groups'
+        step) happens here, before ``step()`` returns and the LR scheduler steps."""
+        if self._uploads_queued is not None:
+            self._uploads_queued.synchronize()
+            self._uploads_queued = None
+        in_kernel = multiplier != 1.0 and self._fused_adam
+        if in_kernel:
+            self.inner.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32)
+        for group, grad in zip(self.groups, grads):
+            if grad is not None and multiplier != 1.0 and not in_kernel and not group.offloaded:
+                grad.mul_(multiplier)
+            group.master.grad = grad
+        kept = self._save_unused(used)
+
+        def restore(g: int, end: int) -> None:
+            self._restore_unused(kept, group=g, end=end)
+
+        try:
+            held = step_accelerator_groups(self, restore)
+            options = snapshot_options(self)
+        finally:
+            if in_kernel:
+                del self.inner.grad_scale
+
+        def job(on_bucket) -> None:
+            try:
+                if multiplier != 1.0 and not in_kernel:
+                    for grad in held.values():
+                        if grad is not None:
+                            grad.mul_(multiplier)  # a host pass, off the training thread
+                step_offloaded_groups(self, held, restore, options, on_bucket)
+                self._restore_unused(kept)
+            finally:
+                for group, grad in zip(self.groups, grads):
+                    group.master.grad = None
+                    group.recycle_grad_buffer(grad)
+
+        self.overlapped.start(job)
+
+    def finish_overlapped_update(self) -> None:
+        """Wait for an overlapped update (``overlap_step_with_forward``) to be wholly in the
+        model; the engine calls it at the start of every backward. A no-op without one."""
+        if self.overlapped is not None:
+            self.overlapped.finish()
+
     def _note_uploads_queued(self) -> None:
         """Record (CUDA) that the uploads queued so far read the masters until this point."""
         if any(g.master_pinned for g in self.groups):
@@ -292,6 +352,7 @@ class ShardedOptimizer:
         The engine calls this before checkpoints and exports, so what is saved is the
         state of one consistent step.
         """
+        self.finish_overlapped_update()
         if self._pending is None:
             return
         (future, after), self._pending = self._pending, None
@@ -438,6 +499,9 @@ class ShardedOptimizer:
         """Land a delayed update and release what offload holds: the background step thread,
         the staging workers and pools, the NVMe swap files. The optimizer cannot step afterwards."""
         self.finish_pending_step()
+        if self.overlapped is not None:
+            self.overlapped.close()
+            self.overlapped = None
         if self._background is not None:
             self._background.shutdown(wait=True)
             self._background = None
