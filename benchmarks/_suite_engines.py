@@ -1,14 +1,15 @@
 """Engine names of the throughput suite (benchmarks/gpu_throughput.py) and which peer each
 engine is compared with.
 
-A name is ``<family>[<stage>][c][-off|-offd]``:
+A name is ``<family>[<stage>][c][-off|-offd|-offo]``:
 
 - family ``torch`` (plain torch; DDP on several ranks), ``fsdp2`` (``fully_shard`` per block),
   ``partita<stage>`` or ``deepspeed<stage>`` with a ZeRO stage 0-3;
 - a trailing ``c`` compiles each transformer block with ``torch.compile`` (not for DeepSpeed:
   the suite has no compiled DeepSpeed variant);
 - ``-off`` offloads the optimizer to CPU memory (partita and DeepSpeed), ``-offd`` adds
-  partita's one-step-delayed update (partita only).
+  partita's one-step-delayed update, ``-offo`` partita's exact step overlapped with the next
+  forward (``overlap_step_with_forward``; both partita only).
 
 Kept apart from the worker so that the naming and peer rules can be tested without a GPU and
 without launching anything.
@@ -38,7 +39,7 @@ class EngineSpec:
     family: str
     stage: int | None
     compiled: bool
-    offload: str | None  # None, "cpu" ("-off") or "delayed" ("-offd")
+    offload: str | None  # None, "cpu" ("-off"), "delayed" ("-offd") or "overlap" ("-offo")
 
 
 def parse_engine(name: str) -> EngineSpec:
@@ -46,7 +47,7 @@ def parse_engine(name: str) -> EngineSpec:
     worker could not run, before any process is launched."""
     hint = ("use torch, fsdp2, partita0..partita3 or deepspeed0..deepspeed3, with an optional 'c' "
             "(torch.compile per block; not deepspeed) and, for partita/deepspeed, '-off' "
-            "(optimizer offload to CPU; partita also '-offd', delayed update)")
+            "(optimizer offload to CPU; partita also '-offd', delayed update, and '-offo', step overlapped with the forward)")
     match = _NAME.match(name)
     if match is None:
         raise EngineNameError(f"unknown engine {name!r}: {hint}")
@@ -57,15 +58,15 @@ def parse_engine(name: str) -> EngineSpec:
             raise EngineNameError(f"engine {name!r} needs a ZeRO stage 0-3 after {family!r}, e.g. {family}2")
     elif stage_text is not None:
         raise EngineNameError(f"engine {name!r}: {family} takes no ZeRO stage; {hint}")
-    offload = {None: None, "-off": "cpu", "-offd": "delayed"}.get(offload_text, "bad")
+    offload = {None: None, "-off": "cpu", "-offd": "delayed", "-offo": "overlap"}.get(offload_text, "bad")
     if offload == "bad":
-        raise EngineNameError(f"engine {name!r}: unknown offload suffix {offload_text!r} (use -off or -offd)")
+        raise EngineNameError(f"engine {name!r}: unknown offload suffix {offload_text!r} (use -off, -offd or -offo)")
     if offload is not None and family not in STAGED:
         raise EngineNameError(f"engine {name!r}: only partita and deepspeed engines offload; drop {offload_text!r}")
     if family == "deepspeed" and compiled:
         raise EngineNameError(f"engine {name!r}: the suite has no compiled DeepSpeed variant; use deepspeed{stage_text}")
-    if family == "deepspeed" and offload == "delayed":
-        raise EngineNameError(f"engine {name!r}: the delayed update ('-offd') is partita's; use deepspeed{stage_text}-off")
+    if family == "deepspeed" and offload in ("delayed", "overlap"):
+        raise EngineNameError(f"engine {name!r}: {offload_text!r} is partita's; use deepspeed{stage_text}-off")
     return EngineSpec(name=name, family=family, stage=None if stage_text is None else int(stage_text),
                       compiled=compiled, offload=offload)
 
