@@ -51,6 +51,8 @@ def variants(stages: list[int], *, offload: bool, compile_blocks: bool) -> list[
         nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": NVME_PATH, "pipeline_read": True,
                                       "pipeline_write": True}, "sub_group_size": 64}
         out += [(s, "offload-cpu", cpu, {}) for s in stages if s > 0]
+        out += [(s, "offload-cpu-overlap", {"offload_optimizer": {"device": "cpu", "overlap_step_with_forward": True}}, {})
+                for s in stages if s in (1, 2)]
         out += [(2, "offload-cpu-ratio0.5", {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}),
                 (2, "offload-nvme", nvme, {"aio": {"block_size": 4096}}),
                 (3, "offload-param-cpu", {**cpu, "offload_param": {"device": "cpu"}}, {}),
