@@ -18,11 +18,12 @@ import torch
 from tests.harness import run_distributed
 
 
-def _model(twice: bool = False):
+def _model(twice: bool = False, moe: bool = False):
     from partita.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    experts = {"moe_every": 2, "moe_experts": 4, "moe_top_k": 2} if moe else {}  # block 1: 4 expert units inside
+    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16, **experts))
     if twice:  # block 0 runs twice in every forward: a unit reused inside the forward
         model.blocks[0] = _Twice(model.blocks[0])
     return model
@@ -140,13 +141,13 @@ def _live_param_bytes(model) -> int:
 
 
 def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int = 1, dtype: str = "bf16",
-                 edit: bool = False, compile_backend: str | None = None) -> dict:
+                 edit: bool = False, compile_backend: str | None = None, moe: bool = False) -> dict:
     import partita
     from partita.estimate import Setup, estimate_memory
     from partita.estimate.model_info import model_info
     from partita.estimate.result import START_BACKWARD
 
-    model = _model()
+    model = _model(moe=moe)
     groups = model.optimizer_param_groups(0.1)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.5,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, dtype: {"enabled": True},
@@ -211,7 +212,8 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
 _FREED_CASES = [dict(stage=stage, checkpoint=ckpt, gas=gas) for stage in (1, 2) for ckpt in (False, True)
                 for gas in (1, 2)]
 _FREED_CASES += [dict(stage=0), dict(stage=2, dtype="fp16"), dict(stage=2, edit=True),
-                 dict(stage=2, compile_backend="aot_eager"), dict(stage=1, checkpoint=True, compile_backend="aot_eager")]
+                 dict(stage=2, compile_backend="aot_eager"), dict(stage=1, checkpoint=True, compile_backend="aot_eager"),
+                 dict(stage=2, moe=True)]
 
 
 def run_freed_cases() -> dict:
