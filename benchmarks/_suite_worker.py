@@ -113,8 +113,13 @@ class PhaseClock:
         return fwd, bwd, opt
 
 
-def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any) -> tuple[Callable, Callable, Callable]:
-    """Wrap ``model`` in the engine ``spec`` names; return its (forward, backward, step)."""
+def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any, *,
+           cpu_offload: bool = False) -> tuple[Callable, Callable, Callable]:
+    """Wrap ``model`` in the engine ``spec`` names; return its (forward, backward, step).
+
+    ``cpu_offload`` (benchmarks/largest_per_setting.py): FSDP2 with ``CPUOffloadPolicy`` on every
+    ``fully_shard``; DeepSpeed ZeRO-3 ``-off`` with ``offload_param`` on the CPU as well.
+    """
     import torch
     import torch.distributed as dist
 
@@ -144,6 +149,10 @@ def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any) 
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
+            if cpu_offload:
+                from torch.distributed.fsdp import CPUOffloadPolicy
+
+                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)
             for block in model.blocks:
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
@@ -199,6 +208,8 @@ def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any) 
             # DeepSpeed's offload steps with its own AVX CPU Adam (JIT-built), not torch's.
             cfg["optimizer"]["params"] = dict(adamw)
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+            if cpu_offload and spec.stage == 3:
+                cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cuda}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def engine_forward(x: Any, y: Any) -> Any:
