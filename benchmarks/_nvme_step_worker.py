@@ -15,6 +15,7 @@ line is printed after every step, so a run killed from outside still leaves its 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,13 @@ def engine_config(spec: dict) -> dict:
     if cuda:
         cfg["bf16"] = {"enabled": True}
     return cfg
+
+
+def _disk_time(stats, bandwidth: dict | None) -> float:
+    """Seconds the disk needs to read and write a full step's states (a step writes them all)."""
+    if stats is None or not bandwidth:
+        return 0.0
+    return stats.bytes_written / (bandwidth["read"] * 1e9) + stats.bytes_written / (bandwidth["write"] * 1e9)
 
 
 def _emit(row: dict) -> None:
@@ -84,7 +92,10 @@ def run(spec: dict) -> None:
            "pinned": swapper.pool.pinned, "direct_io": swapper.store.direct_io}
     last = 0.0
     for i in range(spec["warmup"] + spec["steps"]):
-        if i > 0 and time.perf_counter() - started + last > spec["allowance_s"]:
+        # The next step is expected to take as long as the last one, and at least as long as the
+        # disk needs for its bytes (the first step only writes, so it is shorter than the rest).
+        expected = max(last, _disk_time(swapper.last_step, spec.get("bandwidth_gb_s")))
+        if i > 0 and time.perf_counter() - started + expected > spec["allowance_s"]:
             row["stopped"] = f"allowance of {spec['allowance_s']:.0f} s reached after {i} steps"
             break
         io_before = swapper.store.io_counters()
@@ -113,6 +124,7 @@ def run(spec: dict) -> None:
         _emit(row)
     if cuda:
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     row["done"] = True
     engine.destroy()
     _emit(row)

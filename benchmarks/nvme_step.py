@@ -117,13 +117,19 @@ def _run_worker(spec: dict, timeout_s: float) -> dict:
     cmd = [sys.executable, str(HERE / "_nvme_step_worker.py"), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     last: dict = {"name": spec["name"], "steps": []}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        stdout, code = done.stdout, done.returncode
-        stderr = done.stderr
-    except subprocess.TimeoutExpired as expired:
-        stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        stderr, code = f"killed after {timeout_s:.0f} s", None
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        stderr, code = f"killed after {timeout_s:.0f} s; " + stderr[-1000:], None
+    finally:
+        # A killed worker cannot remove its swap directory (partita-<tag>-rank0-pid<PID>).
+        for name in os.listdir(spec["nvme_path"]):
+            if name.startswith("partita-") and name.endswith(f"-pid{proc.pid}"):
+                shutil.rmtree(os.path.join(spec["nvme_path"], name), ignore_errors=True)
     for line in stdout.splitlines():
         if line.startswith(PREFIX):
             last = json.loads(line[len(PREFIX):])
@@ -132,15 +138,21 @@ def _run_worker(spec: dict, timeout_s: float) -> dict:
     return last
 
 
+def _aio_text(aio: dict) -> str:
+    return f"block {aio['block_size'] >> 10} KiB, depth {aio['queue_depth']}, threads {aio['intra_op_parallelism']}"
+
+
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
 def table(result: dict) -> str:
     lines = ["| bandwidth | write GB/s | read GB/s | read+write at once GB/s |", "|---|---|---|---|"]
-    for label, bw in result["bandwidth"].items():
-        lines.append(f"| {label} ({bw.get('path')}) | {_fmt(bw.get('write_gb_s'))} | {_fmt(bw.get('read_gb_s'))} | "
-                     f"{_fmt(bw.get('mixed_gb_s'))} |")
+    rows = [(f"{label} ({bw.get('path')}{', aio ' + _aio_text(bw['aio']) if 'aio' in bw else ''})", bw)
+            for label, bw in result["bandwidth"].items()]
+    rows += [(f"sweep: aio {_aio_text(bw['aio'])}", bw) for bw in result.get("aio_sweep", [])]
+    for label, bw in rows:
+        lines.append(f"| {label} | {_fmt(bw.get('write_gb_s'))} | {_fmt(bw.get('read_gb_s'))} | {_fmt(bw.get('mixed_gb_s'))} |")
     lines += ["", "| run | timed steps | step s | fwd+bwd s | host step s | swap s: compute / read wait / write wait | "
               "disk busy s | read GB | written GB | bound s (serial / overlapped) | step / bound | host step / bound |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -174,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size")
     p.add_argument("--queue-depth", type=int, default=8, help="aio.queue_depth")
     p.add_argument("--threads", type=int, default=1, help="aio.intra_op_parallelism")
+    p.add_argument("--sweep", default=None,
+                   help="aio settings to measure first, block_size:queue_depth:threads,..., e.g. 1048576:8:1,4194304:16:2")
+    p.add_argument("--pick-best", action="store_true", help="train with the fastest --sweep setting instead of the flags")
     p.add_argument("--bucket", type=int, default=500_000_000)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run (fewer if the budget runs out)")
@@ -207,10 +222,21 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(result, indent=2))
 
     try:
-        count = max(4, bw_bytes // (sub_group * 4))
         pin = args.device == "cuda"
-        result["bandwidth"]["store"] = store_bandwidth(nvme_path, aio=aio, numel=sub_group, count=count,
-                                                       buffer_count=args.buffer_count, pin=pin)
+        if args.sweep:
+            # Each aio setting on a quarter of the data; the fastest (serial read + write time) can run the training.
+            sweep = result["aio_sweep"] = []
+            for item in args.sweep.split(","):
+                block, depth, threads = (int(float(v)) for v in item.split(":"))
+                point = {"block_size": block, "queue_depth": depth, "intra_op_parallelism": threads}
+                sweep.append(store_bandwidth(nvme_path, aio=point, numel=sub_group, count=max(4, bw_bytes // 4 // (sub_group * 4)),
+                                             buffer_count=args.buffer_count, pin=pin))
+            if args.pick_best:
+                aio = result["aio"] = min(sweep, key=lambda b: 1 / b["read_gb_s"] + 1 / b["write_gb_s"])["aio"]
+            save()
+        count = max(4, bw_bytes // (sub_group * 4))
+        store = result["bandwidth"]["store"] = store_bandwidth(nvme_path, aio=aio, numel=sub_group, count=count,
+                                                               buffer_count=args.buffer_count, pin=pin)
         result["bandwidth"]["dd"] = dd_bandwidth(nvme_path, total_bytes=bw_bytes)
         result["bandwidth_s"] = time.perf_counter() - started
         save()
@@ -223,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
             spec = {"name": name, "device": args.device, "gpt": result["gpt"], "micro_batch": micro,
                     "stage": args.stage, "sub_group_size": sub_group, "buffer_count": args.buffer_count,
                     "bucket": args.bucket, "aio": aio, "nvme_path": nvme_path, "pipeline": name == "pipelined",
-                    "warmup": args.warmup, "steps": args.steps, "allowance_s": allowance}
+                    "warmup": args.warmup, "steps": args.steps, "allowance_s": allowance,
+                    "bandwidth_gb_s": {"read": store["read_gb_s"], "write": store["write_gb_s"]}}
             # The allowance decides when steps stop; the kill is the backstop for a step that hangs.
             run = _run_worker(spec, timeout_s=max(allowance * 1.5, allowance + 30))
             result["runs"].append(run)
