@@ -167,7 +167,10 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
     params = list(model.parameters())
     whole = sum(p.numel() * p.element_size() for p in params)
     g = torch.Generator().manual_seed(1)
-    out = {"losses": [], "grads": [], "partitions": [], "at_start": [], "whole_between": True}
+    out = {"losses": [], "grads": [], "partitions": [], "at_start": [], "whole_between": True, "refills": []}
+    if weights is not None:  # parameter bytes alive after each block is cast back in backward
+        refill = weights.on_pre_backward
+        weights.on_pre_backward = lambda unit: (refill(unit), out["refills"].append(_live_param_bytes(model)))
     for micro in range(4 * gas):
         if edit and micro == 2 * gas:
             # An in-place edit of the model between steps (the master still holds the old values):
@@ -199,6 +202,7 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
         masters=[grp.master.clone() for grp in engine.optimizer.groups],
         states=[{k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for st in engine.optimizer.inner.state.values()],
         whole=whole, root=_root_param_bytes(model), predicted=predicted,
+        blocks=[sum(p.numel() * p.element_size() for p in block.parameters()) for block in model.blocks],
         freed_count=weights.freed_count if weights is not None else 0, skipped=engine.skipped_steps,
         applied=engine.global_steps - engine.skipped_steps, compiled=engine.is_compiled,
     )
@@ -274,6 +278,10 @@ def test_one_rank_freed_block_weights_change_no_value_and_leave_only_the_root_at
         assert on["predicted"] == on["root"] and off["predicted"] == off["whole"], case
         assert on["freed_count"] == 3 * (micro_steps - (gas if edited else 0)) + 3, case  # 3 blocks per forward
         assert on["after_lone_forward"] == on["root"] and off["after_lone_forward"] == off["whole"], case
+        if not edited:  # in backward the blocks come back one by one, last first, and stay: the walk's rule
+            last_first = on["blocks"][::-1]
+            back = [on["root"] + sum(last_first[: k + 1]) for k in range(3)]
+            assert on["refills"] == back * micro_steps, case
     fp16 = results[(("dtype", "fp16"), ("stage", 2))][0]
     assert fp16["skipped"] > 0 and fp16["applied"] > 0, fp16  # overflows skipped, later steps applied
     # Compiled blocks are freed too, and freeing makes TorchDynamo build no graph the same run
