@@ -195,7 +195,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         if plain and blocks:
             # partita/zero/one_rank_weights.py: the blocks' weights are freed from their forward to
             # their backward, which brings them back block by block (the walk counts them there).
-            lines.append(Line("parameters", f"{setup.dtype} parameters outside the blocks (embeddings, norms)",
+            lines.append(Line("parameters", f"{setup.dtype} parameters outside the blocks",
                               "accelerator", d * (_sum(plain, lambda g: sum(p.numel for p in g.params)) - blocks)))
             lines.append(Line("parameters", f"{setup.dtype} block parameters (freed from forward to backward)",
                               "accelerator", d * blocks, frozenset({BACKWARD, END_BACKWARD, STEP, WRITE_BACK}),
