@@ -19,9 +19,9 @@ code that allocates the tensors:
 - gradients: the fp32 gradient partition (``ShardedParamGroup.grad_partition``,
   ``partition_numel`` fp32 per group) exists from the first retired reduce bucket in
   backward (world size 1: the first gradient, folded in at once) until the optimizer step.
-  Full-size ``param.grad`` in the model dtype is held across micro-batches at stages 0/1,
-  and at world size 1 for offloaded groups until the end of backward, which sends it to the
-  host partition (``reducer.py``). ``data_types.grad_accum_dtype: fp32`` at stages 0/1 sums
+  Full-size ``param.grad`` in the model dtype is held across micro-batches at stages 0/1; at
+  world size 1 offloaded groups send each gradient to the host partition as it arrives
+  (``reducer.py``). ``data_types.grad_accum_dtype: fp32`` at stages 0/1 sums
   micro-batches in a full-size fp32 tensor per parameter instead.
 - optimizer states (``partita/optim``): torch Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
   shaped like the master (8 bytes per partition element, 12 with amsgrad) and a 4-byte fp32
@@ -240,10 +240,9 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     held = holds_grads_across_micro_batches(setup)
     kept = trainable
     if setup.world_size == 1 and not held:
-        # One rank: on-device groups fold each gradient as it arrives, and so do offloaded ones
-        # with the delayed update (GradientReducer._on_grad_ready); only the other offloaded
-        # groups' gradients wait in param.grad for the end of backward.
-        kept = 0 if setup.delayed_param_update else _sum(host_groups, lambda g: sum(p.numel for p in g.params))
+        # One rank: on-device groups fold each gradient as it arrives, and offloaded ones send it
+        # to the host as it arrives (GradientReducer._on_grad_ready, download_during_backward).
+        kept = 0
     if (setup.world_size == 1 or held) and kept:
         phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())
         why = "held across micro-batches" if held else "kept until the end of backward (one rank)"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from partita.estimate.activations import gpt_activations
 from partita.estimate.buffers import IN_FLIGHT, bucket_bytes, packs_buckets, reduce_buckets
-from partita.estimate.groups import zero_groups
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
 from partita.estimate.model_states import fp32_sums_active, holds_grads_across_micro_batches
@@ -80,10 +79,6 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
     held = holds_grads_across_micro_batches(setup)
     sums = fp32_sums_active(setup)
     one_rank = setup.world_size == 1
-    # One rank: gradients of offloaded groups wait in param.grad for the end of backward unless
-    # the delayed update sends them down as they come; every other gradient is folded at once.
-    waiting_orders = {p.order for g in zero_groups(info, setup) if g.offloaded and not setup.delayed_param_update
-                     for p in g.params} if one_rank else set()
 
     worst = 0
     for e in range(layers + 2):
@@ -94,8 +89,6 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         ready = sum(n for o, n in numel.items() if ready_at[o] <= e)
         waiting = trainable - ready
         grads = (d * waiting if held else 0) + (4 * trainable if sums and one_rank else 4 * waiting if sums else 0)
-        if one_rank:
-            grads += d * sum(n for o, n in numel.items() if ready_at[o] <= e and o in waiting_orders)
         if tied is not None and ready_at[tied.order] > e and not held:
             grads += d * tied.numel  # the LM head's contribution, waiting for the embedding's
         launched = 0
