@@ -36,8 +36,12 @@ the master is not its value until the next step writes it back. A parameter is f
 owns its whole storage alone. Any parameter still freed (a unit whose outputs got no gradient, a
 forward without backward) is refilled at the end of ``engine.backward``, by
 ``engine.finish_pending_step`` (eval, checkpoints, exports) and before ``model.state_dict()``.
-A model that reads a block's weights outside that block's forward (not through a submodule
-call) must turn the key off, as under ZeRO-3.
+A model must turn the key off, as it could not run under ZeRO-3 either, if it reads a block's
+weights outside that block's forward, or if a tensor made inside a block reaches the loss other
+than through the block's outputs (kept on the module, say) and its backward needs the block's
+weights: that backward may run before the gradients reach the block's outputs, on freed storage.
+(MoE auxiliary losses are fine: their gate is the one the routing uses, whose backward waits for
+the block's outputs; tests/test_memory_one_rank.py has one.)
 """
 
 from __future__ import annotations
