@@ -57,6 +57,7 @@ from partita.zero.shard_group import ShardedParamGroup
 
 __all__ = ["OneRankWeights", "build_one_rank_weights"]
 
+
 def build_one_rank_weights(
     module: nn.Module,
     groups: list[ShardedParamGroup],
@@ -100,10 +101,6 @@ class OneRankWeights:
     def num_freeable(self) -> int:
         """Elements of the parameters this frees between a unit's forward and its backward."""
         return sum(p.numel() for params in self._units.values() for p in params)
-
-    def freed_numel(self) -> int:
-        """Elements of parameters freed right now."""
-        return sum(p.numel() for unit in self._freed for p in self._units[unit])
 
     def synced(self) -> None:
         """The master has just been written into every parameter (``write_back_params``)."""
