@@ -243,6 +243,17 @@ def run_freed_cases() -> dict:
                                       delayed_update=False) is None  # more than one process
         return True
 
+    # Blocks compiled in a mode that records CUDA graphs (fixed addresses) are never freed.
+    from partita.compile.apply import compile_blocks
+    from partita.zero.one_rank_weights import _records_cuda_graphs
+
+    records = {}
+    for name, kwargs in (("default", {}), ("reduce-overhead", {"mode": "reduce-overhead"}),
+                         ("triton.cudagraphs", {"options": {"triton.cudagraphs": True}})):
+        model = _model()
+        compile_blocks(model, backend="eager", **kwargs)
+        records[name] = _records_cuda_graphs(model.blocks[0])
+    out["records_cuda_graphs"] = records
     out["built"] = {
         "stage 2": built(2), "stage 3": built(3), "fp32 (parameters are the master)": built(2, "fp32"),
         "offload_optimizer cpu": built(2, offload_optimizer={"device": "cpu"}),
@@ -253,6 +264,7 @@ def run_freed_cases() -> dict:
 
 def test_one_rank_freed_block_weights_change_no_value_and_leave_only_the_root_at_backward() -> None:
     results = run_distributed(run_freed_cases, 1, timeout=600)[0]
+    assert results.pop("records_cuda_graphs") == {"default": False, "reduce-overhead": True, "triton.cudagraphs": True}
     assert results.pop("built") == {"stage 2": True, "stage 3": False, "fp32 (parameters are the master)": False,
                                     "offload_optimizer cpu": False, "offload ratio 0.5": False}
     for case, (on, off) in results.items():
