@@ -86,6 +86,7 @@ def run(stage: int, gas: int, precision: str, zero_extra: dict | None = None, to
             loss = engine(xs[step][lo : lo + micro].to(engine.device), ys[step][lo : lo + micro].to(engine.device))
             engine.backward(loss)
             engine.step()
+    engine.finish_pending_step()  # an overlapped step may still be landing its last buckets
     return {n: p.detach().float() for n, p in model.named_parameters()}
 
 

@@ -54,8 +54,8 @@ def step_and_upload(optimizer: ShardedOptimizer, restore_unused) -> None:
 
     On-accelerator groups step in one call of the inner optimizer, then the offloaded groups
     step bucket by bucket, each bucket written back as soon as it is stepped.
-    ``restore_unused(g, end)`` puts back the state of parameters that got no gradient within
-    partition elements ``[0, end)`` of group ``g`` before they are written back.
+    ``restore_unused(g, start, end)`` puts back the state of parameters that got no gradient
+    within partition elements ``[start, end)`` of group ``g`` before they are written back.
     """
     held = step_accelerator_groups(optimizer, restore_unused)
     step_offloaded_groups(optimizer, held, restore_unused, snapshot_options(optimizer))
@@ -81,16 +81,19 @@ def step_accelerator_groups(optimizer: ShardedOptimizer, restore_unused) -> dict
     inner.step()  # on-accelerator groups (ratio < 1); also runs the optimizer's step hooks
     for g, group in enumerate(optimizer.groups):
         if g not in held:
-            restore_unused(g, group.master.numel())
+            restore_unused(g, 0, group.master.numel())
             optimizer.write_back_group(g)
     return held
 
 
 def step_offloaded_groups(optimizer: ShardedOptimizer, held: dict[int, torch.Tensor | None], restore_unused,
-                          options: list[dict], on_bucket=None) -> None:
+                          options: list[dict], on_bucket=None, *, forward_order: bool = False) -> None:
     """Step the offloaded groups bucket by bucket, writing each bucket back once stepped;
-    ``on_bucket(g, b)`` is told when bucket ``b`` of group ``g`` has been written back."""
-    for g in held:
+    ``on_bucket(g, b)`` is told when bucket ``b`` of group ``g`` has been written back.
+    ``forward_order``: buckets (and groups) in the reverse of the layout's order, which is the
+    order the forward uses the parameters in (the layout follows backward's)."""
+    groups = list(held)[::-1] if forward_order else list(held)
+    for g in groups:
         group = optimizer.groups[g]
         grad = held[g]
         group.master.grad = grad
@@ -99,28 +102,47 @@ def step_offloaded_groups(optimizer: ShardedOptimizer, held: dict[int, torch.Ten
             for b in range(len(optimizer.bucket_layout(g))):
                 on_bucket is not None and on_bucket(g, b)
             continue
-        _step_group_by_bucket(optimizer, g, restore_unused, options[g], on_bucket)
+        _step_group_by_bucket(optimizer, g, restore_unused, options[g], on_bucket, forward_order)
 
 
-def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, options: dict, on_bucket) -> None:
+def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, options: dict, on_bucket,
+                          forward_order: bool) -> None:
+    """Each bucket's range is stepped before the bucket is written back. In layout order a
+    range ends at the bucket's end rounded up to ``_ALIGN`` (the next bucket's first elements
+    are stepped with it); in forward order a range starts at the bucket's start rounded down
+    (the previous bucket's last elements are stepped with it), so each bucket is whole when
+    it goes up either way."""
     inner = optimizer.inner
     group = optimizer.groups[g]
     master, state = group.master, inner.state[group.master]
+    numel = master.numel()
     options = dict(options)
     grad_scale = options.pop("_grad_scale")
     step_before = state["step"].clone()
-    stepped = 0
-    for b, bucket in enumerate(optimizer.bucket_layout(g)):
-        end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, master.numel())
-        if end > stepped:
-            _step_range(type(inner), options, master, state, step_before, stepped, end, grad_scale)
-            stepped = end
-        restore_unused(g, stepped)
-        optimizer.write_back_group(g, [bucket])
-        if on_bucket is not None:
-            on_bucket(g, b)
-    if stepped < master.numel():  # padding after the last bucket
-        _step_range(type(inner), options, master, state, step_before, stepped, master.numel(), grad_scale)
+    buckets = list(enumerate(optimizer.bucket_layout(g)))
+    if forward_order:
+        starts = [0] + [bucket.partition_start // _ALIGN * _ALIGN for _, bucket in buckets[1:]]
+        ends = starts[1:] + [numel]
+        for (b, bucket), lo, hi in reversed(list(zip(buckets, starts, ends))):
+            if hi > lo:
+                _step_range(type(inner), options, master, state, step_before, lo, hi, grad_scale)
+            restore_unused(g, lo, numel)
+            optimizer.write_back_group(g, [bucket])
+            if on_bucket is not None:
+                on_bucket(g, b)
+    else:
+        stepped = 0
+        for b, bucket in buckets:
+            end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, numel)
+            if end > stepped:
+                _step_range(type(inner), options, master, state, step_before, stepped, end, grad_scale)
+                stepped = end
+            restore_unused(g, 0, stepped)
+            optimizer.write_back_group(g, [bucket])
+            if on_bucket is not None:
+                on_bucket(g, b)
+        if stepped < numel:  # padding after the last bucket
+            _step_range(type(inner), options, master, state, step_before, stepped, numel, grad_scale)
     state["step"].copy_(step_before + 1)
 
 

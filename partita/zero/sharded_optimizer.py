@@ -293,8 +293,8 @@ class ShardedOptimizer:
             group.master.grad = grad
         kept = self._save_unused(used)
 
-        def restore(g: int, end: int) -> None:
-            self._restore_unused(kept, group=g, end=end)
+        def restore(g: int, start: int, end: int) -> None:
+            self._restore_unused(kept, group=g, start=start, end=end)
 
         try:
             held = step_accelerator_groups(self, restore)
@@ -309,7 +309,9 @@ class ShardedOptimizer:
                     for grad in held.values():
                         if grad is not None:
                             grad.mul_(multiplier)  # a host pass, off the training thread
-                step_offloaded_groups(self, held, restore, options, on_bucket)
+                # Buckets in the forward's order (the reverse of the layout's), so the first
+                # blocks' weights are up first and the forward can start on them.
+                step_offloaded_groups(self, held, restore, options, on_bucket, forward_order=True)
                 self._restore_unused(kept)
             finally:
                 for group, grad in zip(self.groups, grads):
@@ -333,7 +335,7 @@ class ShardedOptimizer:
     def _step_inner(self, used: list[list[bool]], *, upload: bool) -> None:
         kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
         if upload:
-            step_and_upload(self, lambda g, end: self._restore_unused(kept, group=g, end=end))
+            step_and_upload(self, lambda g, start, end: self._restore_unused(kept, group=g, start=start, end=end))
             self._note_uploads_queued()
         elif self.swapper is None:
             self.inner.step()
@@ -375,26 +377,26 @@ class ShardedOptimizer:
 
     def _save_unused(self, used: list[list[bool]]) -> list[list]:
         """Copies of the weights and states of parameters no rank produced a gradient for:
-        entries ``[group index, partition end, view, saved copy]``."""
+        entries ``[group index, partition start, partition end, view, saved copy]``."""
         kept = []
         for g, (group, group_used) in enumerate(zip(self.groups, used)):
             for spec, was_used in zip(group.layout.specs, group_used):
                 if not was_used:
                     lo, hi = spec.partition_offset, spec.partition_offset + spec.shard_numel
-                    kept.extend([g, hi, view, view.clone()] for view in self._state_views(group, lo, hi))
+                    kept.extend([g, lo, hi, view, view.clone()] for view in self._state_views(group, lo, hi))
         return kept
 
     @staticmethod
     @torch.no_grad()
-    def _restore_unused(kept: list[list], *, group: int | None = None, end: int | None = None) -> None:
-        """Put the saved copies back (only group ``group``'s entries ending by ``end``, if given);
-        each entry is restored once."""
+    def _restore_unused(kept: list[list], *, group: int | None = None, start: int = 0, end: int | None = None) -> None:
+        """Put the saved copies back (only group ``group``'s entries lying within partition
+        elements ``[start, end)``, if given); each entry is restored once."""
         for entry in kept:
-            g, hi, view, saved = entry
-            if saved is None or (group is not None and (g != group or hi > end)):
+            g, lo, hi, view, saved = entry
+            if saved is None or (group is not None and (g != group or lo < start or hi > end)):
                 continue
             view.copy_(saved)
-            entry[3] = None
+            entry[4] = None
 
     @torch.no_grad()
     def write_back_params(self) -> None:
