@@ -176,3 +176,34 @@ def tiny_simulation(setting: Setting, start: int, rungs: list[tuple[int, int]]) 
     edge = start + offset
     above = 0 if edge < 0 else gpt_params(*rungs[min(edge, len(rungs) - 1)], vocab=512, seq_len=64)
     return {"kind": kind, "above_params": above, "ballast_bytes": int(1.5 * GIB)}
+
+
+def measure_disk_gbps(directory: str, nbytes: int = 1 << 30) -> dict:
+    """Sequential write (fsync'd) and read (page cache dropped first) GB/s of a file under
+    ``directory``: what the NVMe part of the trial-time model divides by. One GiB, ~1 s."""
+    path = os.path.join(directory, "bandwidth-probe")
+    chunk = os.urandom(64 << 20)
+    count = max(1, nbytes // len(chunk))
+    try:
+        start = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(count):
+                f.write(chunk)
+            os.fsync(f.fileno())
+        write_s = time.perf_counter() - start
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not from memory
+            start = time.perf_counter()
+            while os.read(fd, len(chunk)):
+                pass
+            read_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    total = count * len(chunk)
+    write, read = total / write_s / 1e9, total / read_s / 1e9
+    # Equal bytes read and written per step: their combined rate is the harmonic mean.
+    return {"write_gbps": write, "read_gbps": read, "nvme_gbps": 2 / (1 / write + 1 / read)}

@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,8 @@ sys.path.insert(0, str(HERE))
 
 from _largest_search import (HEAD_DIM, SEQ_LEN, VOCAB, Setting, classify_trial, format_params, ladder,  # noqa: E402
                              markdown_table, parse_settings, rung_dict, search_setting)
-from _largest_trial_env import TreeWatch, predict_trial_s, probe_capacities, tiny_simulation  # noqa: E402
+from _largest_trial_env import (TreeWatch, measure_disk_gbps, predict_trial_s, probe_capacities,  # noqa: E402
+                                tiny_simulation)
 
 GIB = 2**30
 WORKER = HERE / "largest_per_setting_worker.py"
@@ -117,7 +119,12 @@ def run_worker(spec: dict, timeout_s: float, args: argparse.Namespace, trial_dir
                                 env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if spec["device"] == "cpu" else {})})
         watch = TreeWatch(proc.pid, trial_dir, min_available=args.min_available_gib * GIB,
                           rss_limit=None if args.host_limit_gib is None else args.host_limit_gib * GIB)
-        stopped = watch.follow(proc, timeout_s)
+        try:
+            stopped = watch.follow(proc, timeout_s)
+        finally:  # the driver itself interrupted (SIGTERM, Ctrl-C): never leave a trial running
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
@@ -150,8 +157,11 @@ def main(argv: list[str]) -> int:
                         help="stop a trial whose tree RSS exceeds this (default none; --tiny: 1.5)")
     parser.add_argument("--gpu-tflops", type=float, default=300.0, help="achieved bf16 TFLOP/s for the time model")
     parser.add_argument("--pcie-gbps", type=float, default=20.0, help="achieved host<->GPU GB/s for the time model")
-    parser.add_argument("--nvme-gbps", type=float, default=3.0, help="achieved NVMe GB/s (read + write) for the model")
-    parser.add_argument("--no-calibrate", action="store_true", help="use --adamw-eps/--adamw8bit-eps as given")
+    parser.add_argument("--nvme-gbps", type=float, default=3.0,
+                        help="NVMe GB/s, read and write combined, for the time model (measured at --nvme-path unless "
+                             "--no-calibrate)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="use --adamw-eps/--adamw8bit-eps/--nvme-gbps as given instead of measuring them")
     parser.add_argument("--adamw-eps", type=float, default=1.0e9, help="host fused AdamW elements/s (if not calibrated)")
     parser.add_argument("--adamw8bit-eps", type=float, default=3.7e7, help="host AdamW8bit elements/s (if not calibrated)")
     parser.add_argument("--deepspeed-python", default=None, help="interpreter for DeepSpeed trials (default: this one)")
@@ -175,6 +185,9 @@ def main(argv: list[str]) -> int:
 
     from common import git_commit, hardware_summary, versions
 
+    # SIGTERM (a time limit) unwinds like Ctrl-C: the running trial is killed, the JSON kept.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
     start_time = time.monotonic()
     temporary = None if args.nvme_path else tempfile.mkdtemp(prefix="partita-largest-")
     nvme_root = args.nvme_path or temporary
@@ -185,10 +198,17 @@ def main(argv: list[str]) -> int:
     rates = {"adamw_elements_per_s": args.adamw_eps, "adamw8bit_elements_per_s": args.adamw8bit_eps,
              "gpu_tflops": args.gpu_tflops, "pcie_gbps": args.pcie_gbps, "nvme_gbps": args.nvme_gbps, "source": "given"}
     if not args.no_calibrate and any(s.host_step for s in settings):
-        measured = json.loads(subprocess.run([sys.executable, str(WORKER), "--calibrate"], capture_output=True,
-                                             text=True, check=True, cwd=str(HERE.parent)).stdout.splitlines()[-1])
-        rates.update({k: v for k, v in measured.items() if k.endswith("_per_s") or k == "threads"},
-                     source="measured (worker --calibrate)", calibration=measured)
+        proc = subprocess.run([sys.executable, str(WORKER), "--calibrate"], capture_output=True, text=True,
+                              cwd=str(HERE.parent), timeout=300)
+        try:
+            measured = json.loads(proc.stdout.splitlines()[-1])
+            rates.update({k: v for k, v in measured.items() if k.endswith("_per_s") or k == "threads"},
+                         source="measured (worker --calibrate)", calibration=measured)
+        except (IndexError, json.JSONDecodeError):  # the given rates stay; the JSON says why
+            rates["calibration_error"] = (proc.stderr or proc.stdout)[-1000:]
+    if not args.no_calibrate and not args.tiny and any(nvme_options(s, False) for s in settings):
+        disk = measure_disk_gbps(nvme_root)
+        rates.update(nvme_gbps=disk["nvme_gbps"], disk_calibration=disk)
     predictor = Predictor(rungs, caps, args.headroom, args.tiny)
     vocab, seq = (512, 64) if args.tiny else (VOCAB, SEQ_LEN)
     ds_state = {"first": True}  # DeepSpeed JIT-builds its CPU Adam in the first DeepSpeed trial only
@@ -279,8 +299,9 @@ def main(argv: list[str]) -> int:
             result = search_setting(plans[setting.name]["start_rung"], len(rungs), trial, max_trials=args.max_trials)
             live.update({k: v for k, v in result.items() if k != "trials"})
             write()
-        report["complete"] = all(not t.get("reason", "").startswith("budget") for s in report["settings"]
-                                 for t in s["trials"])
+        report["skipped_for_budget"] = [f"{s['setting']} rung {t['rung']}" for s in report["settings"]
+                                        for t in s["trials"] if t.get("reason", "").startswith("budget")]
+        report["complete"] = not report["skipped_for_budget"]
         write()
     finally:
         if temporary is not None:

@@ -256,6 +256,17 @@ def main() -> None:
         print(json.dumps(calibrate()), flush=True)
         return
     spec = json.loads(sys.argv[1])
+    try:  # when host memory runs out, the kernel's OOM killer picks this process, not the driver
+        with open("/proc/self/oom_score_adj", "w", encoding="ascii") as f:
+            f.write("1000")
+    except OSError:
+        pass
+    try:  # the driver killed (a command's time limit): this trial goes too, it would hold the GPU
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     if spec["family"] != "partita":
         # One process of a one-rank world for torch.distributed (FSDP2, DeepSpeed); the driver
         # gives each trial its own port.
