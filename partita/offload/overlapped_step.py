@@ -38,9 +38,6 @@ if TYPE_CHECKING:
     from partita.zero.sharded_optimizer import ShardedOptimizer
 
 BucketKey = tuple[int, int]  # (group index, bucket index in the group's write-back order)
-# Elements per write-back bucket of an unsharded offloaded group under the overlap: 128 MB of
-# fp32 per upload, ~3 ms of PCIe and ~8 ms of host Adam on one H200 host.
-OVERLAP_BUCKET_NUMEL = 32 * 2**20
 
 
 class OverlappedStep:
@@ -54,12 +51,6 @@ class OverlappedStep:
         self._future: Future | None = None
         self._ready: dict[BucketKey, threading.Event] = {}
         self._landed: dict[BucketKey, torch.cuda.Event] = {}
-        for g, group in enumerate(optimizer.groups):
-            if group.offloaded and group.layout.num_shards == 1:
-                # One shard: a write-back bucket is only a host-to-device copy (no collective),
-                # so small ones cost nothing and let the forward start after a small part of
-                # the host step rather than a whole allgather_bucket_size of it.
-                optimizer.refine_write_back_buckets(g, OVERLAP_BUCKET_NUMEL)
         bucket_of = _bucket_of_param(optimizer)
         self._keys: list[BucketKey] = sorted({key for keys in bucket_of.values() for key in keys})
         self._hooks = []
