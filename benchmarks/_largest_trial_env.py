@@ -55,7 +55,7 @@ def mem_available() -> int:
 
 
 def predict_trial_s(setting: Setting, params: int, host_bytes: int, rates: dict, *, seq_len: int, steps: int,
-                    first_deepspeed: bool, tiny: bool) -> dict:
+                    first_deepspeed: bool, tiny: bool, expected_fit: bool = True) -> dict:
     """Seconds one trial should take, from serial (pessimistic: no overlap) parts per step.
 
     - start-up: interpreter, imports, CUDA context, model build (20 s on the H200), plus the host
@@ -68,6 +68,9 @@ def predict_trial_s(setting: Setting, params: int, host_bytes: int, rates: dict,
       backward); FSDP2's CPUOffloadPolicy moves fp32: 12 B up and 4 B down;
     - NVMe at ``nvme_gbps``: 16 B/param with the optimizer states there (both moments read and
       written), 8 B/param with the parameters there.
+
+    A rung the estimator says does not fit (``expected_fit`` False) is expected to fail while
+    allocating or in its first step: start-up and one step.
     """
     opt = setting.options.get("offload_optimizer", "none")
     par = setting.options.get("offload_param", "none")
@@ -87,7 +90,8 @@ def predict_trial_s(setting: Setting, params: int, host_bytes: int, rates: dict,
     if setting.family == "deepspeed":
         startup += 6.0 if tiny else 20.0 + (90.0 if first_deepspeed else 0.0)
     # One step more than ``steps``: the first step also pays for allocator growth and hooks.
-    return {"startup_s": startup, "step_s": step_s, "total_s": startup + (steps + 1) * step_s,
+    total = startup + ((steps + 1) if expected_fit else 1) * step_s
+    return {"startup_s": startup, "step_s": step_s, "total_s": total, "expected_fit": expected_fit,
             "parts_s": {"gpu": gpu_s, "host_step": host_s, "pcie": pcie / (rates["pcie_gbps"] * 1e9),
                         "nvme": nvme / (rates["nvme_gbps"] * 1e9)}}
 

@@ -217,15 +217,21 @@ def main(argv: list[str]) -> int:
         index = predictor.largest(setting)
         start = 0 if index is None else index
         acc, cpu, nvme = predictor.needs(setting, start)
-        time_s = predict_trial_s(setting, rung_dict(rungs, start, vocab=vocab, seq_len=seq)["params"], cpu, rates,
-                                 seq_len=seq, steps=10, first_deepspeed=True, tiny=args.tiny)
+        def cost(i: int, first: bool) -> dict:
+            return predict_trial_s(setting, rung_dict(rungs, i, vocab=vocab, seq_len=seq)["params"],
+                                   predictor.needs(setting, i)[1], rates, seq_len=seq, steps=10, first_deepspeed=first,
+                                   tiny=args.tiny, expected_fit=predictor.fits(setting, i))
+
+        time_s = cost(start, True)
+        # The search's likely two trials: the start and the rung above it (expected to fail quickly).
+        pair = time_s["total_s"] + (cost(start + 1, False)["total_s"] if start + 1 < len(rungs) else 0.0)
         return {"rung": index, "start_rung": start, "proxy": setting.family != "partita",
                 **({} if index is None else rung_dict(rungs, index, vocab=vocab, seq_len=seq)),
-                "needs_gib": [acc / GIB, cpu / GIB, nvme / GIB], "trial_s": time_s}
+                "needs_gib": [acc / GIB, cpu / GIB, nvme / GIB], "trial_s": time_s, "two_trials_s": pair}
 
     plans = {s.name: plan(s) for s in settings}
-    # Cheapest first: two trials at the start rung's predicted cost (a trial that would be skipped costs nothing).
-    order = sorted(settings, key=lambda s: 2 * plans[s.name]["trial_s"]["total_s"]
+    # Cheapest first: the predicted start and next trials (a setting that would be skipped costs nothing).
+    order = sorted(settings, key=lambda s: plans[s.name]["two_trials_s"]
                    if plans[s.name]["trial_s"]["total_s"] <= args.trial_timeout_s else 0.0)
     if args.plan:
         for s in order:
@@ -235,7 +241,8 @@ def main(argv: list[str]) -> int:
             unit, scale = ("MiB", 1024) if args.tiny else ("GiB", 1)
             needs = "/".join(f"{v * scale:.1f}" for v in p["needs_gib"])
             print(f"{s.name:10} start {size:22} needs GPU/host/disk {needs} {unit}"
-                  f"  trial ~{t['total_s']:.0f} s ({t['startup_s']:.0f} s start-up + 10 x {t['step_s']:.2f} s)")
+                  f"  trial ~{t['total_s']:.0f} s ({t['startup_s']:.0f} s start-up + 10 x {t['step_s']:.2f} s),"
+                  f" with the rung above ~{p['two_trials_s']:.0f} s")
         return 0
 
     report = {"benchmark": "largest_per_setting", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -264,7 +271,8 @@ def main(argv: list[str]) -> int:
                 rung = rung_dict(rungs, index, vocab=vocab, seq_len=seq)
                 cpu_need = predictor.needs(setting, index)[1]
                 predicted = predict_trial_s(setting, rung["params"], cpu_need, rates, seq_len=seq, steps=10,
-                                            first_deepspeed=ds_state["first"], tiny=args.tiny)
+                                            first_deepspeed=ds_state["first"], tiny=args.tiny,
+                                            expected_fit=predictor.fits(setting, index))
                 left = args.budget_s - (time.monotonic() - start_time)
                 row = {**rung, "predicted_s": predicted}
                 if predicted["total_s"] > args.trial_timeout_s:
@@ -290,6 +298,10 @@ def main(argv: list[str]) -> int:
                     if setting.family == "deepspeed":
                         ds_state["first"] = False
                     row.update(classify_trial(raw))
+                    if raw.get("stopped") == "timeout" and left < args.trial_timeout_s:
+                        # Cut by the overall budget, not by its own timeout: no verdict on this rung.
+                        row.update(status="skipped", reason=f"budget: stopped after {raw['wall_s']:.0f} s, "
+                                                            "the rest of --budget-s")
                 live["trials"].append({"rung": index, **row})
                 write()
                 print(f"{setting.name:10} {rung['d_model']}x{rung['n_layers']:<3} {format_params(rung['params'])}: "
