@@ -103,7 +103,9 @@ def build_engine(spec: dict, device):
 
         model = _build_gpt(spec, device, torch.bfloat16 if cuda else torch.float32)
         params = sum(p.numel() for p in model.parameters())
-        engine, _, _, _ = partita.initialize(model=model, config=partita_config(spec, cuda))
+        config = partita_config(spec, cuda)
+        engine, _, _, _ = partita.initialize(model=model, config=config)
+        spec["_engine"] = {"partita_zero_optimization": config["zero_optimization"], "optimizer": config["optimizer"]}
         return params, (lambda x, y: engine(x, y)[1]), engine.backward, engine.step
 
     from partita.activation_checkpointing import apply_activation_checkpointing
@@ -119,6 +121,10 @@ def build_engine(spec: dict, device):
     name = "fsdp2" if spec["family"] == "fsdp2" else "deepspeed3" + ("-off" if offload else "")
     args = argparse.Namespace(micro_batch=1, bucket=500_000_000)
     forward, backward, step = _build(parse_engine(name), model, args, device, cpu_offload=offload)
+    spec["_engine"] = {"suite_engine": name, "cpu_offload": offload,
+                       "what": ("fully_shard per block + root" + (", CPUOffloadPolicy" if offload else "")
+                                if spec["family"] == "fsdp2" else
+                                "ZeRO-3" + (", offload_optimizer + offload_param cpu" if offload else ""))}
     return params, forward, backward, step
 
 
@@ -213,7 +219,7 @@ def run_trial(spec: dict) -> None:
         sys.stderr.flush()
         os._exit(3)
     steady = times[1:] or times
-    emit({**base, "status": "ok", "params": params, "init_s": init_s, "step_s": statistics.median(steady),
+    emit({**base, "status": "ok", "params": params, "engine": spec.get("_engine"), "init_s": init_s, "step_s": statistics.median(steady),
           "first_step_s": times[0], "tokens_per_s": spec["seq_len"] / statistics.median(steady),
           "losses": losses, "peak_host_rss_self_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
           **_gpu_figures(torch, cuda)})
