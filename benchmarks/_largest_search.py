@@ -245,7 +245,9 @@ def classify_trial(raw: dict[str, Any]) -> dict[str, Any]:
         return fail("error", f"error: exit status {code}: {tail[-1][:200] if tail else 'no output'}")
     where = f" in {result.get('phase')}" if result.get("phase") else ""
     if status == "oom":
-        return fail("gpu-oom", f"GPU OOM{where} ({result.get('detail', '')})")
+        reserved, total = result.get("peak_gpu_reserved_gib"), result.get("gpu_total_gib")
+        held = f"; peak reserved {reserved:.1f} of {total:.1f} GiB" if reserved is not None and total else ""
+        return fail("gpu-oom", f"GPU OOM{where} ({result.get('detail', '')}{held})")
     if status == "host-oom":
         return fail("host-oom", f"host OOM{where} ({result.get('detail', '')})")
     if status == "disk-full":

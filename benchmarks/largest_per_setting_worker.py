@@ -37,6 +37,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -163,7 +164,13 @@ def _classify(exc: BaseException) -> str:
                                                                     "cudaHostAlloc", "pinned memory")):
             return "host-oom"  # torch reports host allocation failures as OutOfMemoryError too
         seen = seen.__cause__ or seen.__context__
-    return "oom" if _is_oom(exc) else "error"
+    if not _is_oom(exc):
+        return "error"
+    # A failed pinned (page-locked) host allocation surfaces as "CUDA error: out of memory" too;
+    # the line that raised it says which memory ran out.
+    frames = traceback.extract_tb(exc.__traceback__)
+    deepest = (frames[-1].line or "") if frames else ""
+    return "host-oom" if any(k in deepest for k in ("pin_memory", "pinned", "cudaHostRegister")) else "oom"
 
 
 def _gpu_figures(torch, cuda: bool) -> dict:

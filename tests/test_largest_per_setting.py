@@ -91,6 +91,9 @@ def test_classify_trial_names_each_cause() -> None:
         ({"result": {**ok, "losses": [9.0, 9.5]}}, "loss", "loss did not fall: 9.0 -> 9.5"),
         ({"result": {"status": "oom", "phase": "train", "detail": "Tried to allocate 2.00 GiB"}}, "gpu-oom",
          "GPU OOM in train (Tried to allocate 2.00 GiB)"),
+        ({"result": {"status": "oom", "phase": "train", "detail": "Tried to allocate 2.00 GiB",
+                     "peak_gpu_reserved_gib": 138.21, "gpu_total_gib": 139.8}}, "gpu-oom",
+         "GPU OOM in train (Tried to allocate 2.00 GiB; peak reserved 138.2 of 139.8 GiB)"),
         ({"result": {"status": "host-oom", "phase": "build", "detail": "MemoryError: "}}, "host-oom",
          "host OOM in build (MemoryError: )"),
         ({"result": {"status": "disk-full", "phase": "train", "detail": "OSError: No space"}}, "disk-full",
@@ -170,3 +173,39 @@ def test_tree_watch_stops_a_child_over_the_rss_limit(tmp_path) -> None:
     assert watch.follow(child, timeout_s=20) == "host-limit"
     assert child.returncode == -9
     assert watch.peaks()["peak_host_rss_gib"] > 100 / 1024
+
+
+def test_worker_names_the_memory_that_ran_out() -> None:
+    import errno
+
+    import torch
+
+    from largest_per_setting_worker import _classify
+
+    def raised(make) -> BaseException:
+        try:
+            make()
+        except BaseException as exc:  # noqa: BLE001 - the exception is the value under test
+            return exc
+        raise AssertionError("nothing raised")
+
+    def pinned(pin_memory: bool = True) -> None:
+        raise torch.OutOfMemoryError("CUDA error: out of memory") if pin_memory else None
+
+    def device() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def wrapped() -> None:
+        try:
+            device()
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError("backward hook failed") from exc
+
+    assert _classify(raised(pinned)) == "host-oom"  # raised on a line that pins host memory
+    assert _classify(raised(device)) == "oom"
+    assert _classify(raised(wrapped)) == "oom"
+    assert _classify(raised(lambda: (_ for _ in ()).throw(MemoryError()))) == "host-oom"
+    assert _classify(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes")) \
+        == "host-oom"
+    assert _classify(OSError(errno.ENOSPC, "No space left on device")) == "disk-full"
+    assert _classify(ValueError("bad config")) == "error"
