@@ -134,6 +134,17 @@ def run_worker(spec: dict, timeout_s: float, args: argparse.Namespace, trial_dir
             "stderr_tail": stderr[-2500:]}
 
 
+def versions_with_bnb() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from common import versions
+
+    try:
+        return {**versions(), "bitsandbytes": version("bitsandbytes")}
+    except PackageNotFoundError:
+        return {**versions(), "bitsandbytes": "not installed"}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="all", help="comma-separated setting names, or all")
@@ -183,7 +194,7 @@ def main(argv: list[str]) -> int:
     if args.out is None and not args.plan:
         parser.error("--out is required (the JSON is rewritten after every trial)")
 
-    from common import git_commit, hardware_summary, versions
+    from common import git_commit, hardware_summary
 
     # SIGTERM (a time limit) unwinds like Ctrl-C: the running trial is killed, the JSON kept.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -246,7 +257,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     report = {"benchmark": "largest_per_setting", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "commit": git_commit(str(HERE.parent)), "hardware": hardware_summary(), "versions": versions(),
+              "commit": git_commit(str(HERE.parent)), "hardware": hardware_summary(), "versions": versions_with_bnb(),
               "device": device, "tiny": args.tiny, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "capacities": {k: (v / GIB if k.endswith("_bytes") else v) for k, v in caps.items()},
               "headroom": args.headroom, "rates": rates, "budget_s": args.budget_s,
