@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from _disk_bandwidth import dd_bandwidth, store_bandwidth  # noqa: E402
 from _nvme_step_worker import PREFIX  # noqa: E402
-from common import git_commit, hardware_summary, versions  # noqa: E402
+from common import git_commit, hardware_summary, versions, wait_until_quiet  # noqa: E402
 
 GB = 1e9
 TINY_GPT = {"vocab_size": 256, "block_size": 16, "n_layer": 8, "n_head": 4, "n_embd": 512}
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pick-best", action="store_true", help="train with the fastest --sweep setting instead of the flags")
     p.add_argument("--measure-twice", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the bandwidth again after the runs; the bound uses the faster of the two")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                   help="on a shared machine: before each measurement and run, wait up to S seconds for the "
+                        "machine to be less than 30%% busy (the waits are recorded, and count against --budget-s)")
     p.add_argument("--bucket", type=int, default=500_000_000)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run (fewer if the budget runs out)")
@@ -253,7 +256,12 @@ def main(argv: list[str] | None = None) -> dict:
         count = max(4, bw_bytes // (sub_group * 4))
         samples = result["bandwidth_samples"] = {"store": [], "dd": []}
 
+        def quiet(what: str) -> None:
+            if args.wait_quiet > 0:
+                result.setdefault("waited_s", {})[what] = wait_until_quiet(threshold=0.3, max_wait_s=args.wait_quiet)
+
         def measure() -> None:
+            quiet(f"bandwidth {len(samples['store'])}")
             samples["store"].append(store_bandwidth(nvme_path, aio=aio, numel=sub_group, count=count,
                                                     buffer_count=args.buffer_count, pin=pin))
             samples["dd"].append(dd_bandwidth(nvme_path, total_bytes=bw_bytes))
@@ -275,8 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "bucket": args.bucket, "aio": aio, "nvme_path": nvme_path, "pipeline": name == "pipelined",
                     "warmup": args.warmup, "steps": args.steps, "allowance_s": allowance,
                     "bandwidth_gb_s": {"read": store["read_gb_s"], "write": store["write_gb_s"]}}
+            quiet(name)
+            spec["allowance_s"] = allowance - result.get("waited_s", {}).get(name, 0.0)
             # The allowance decides when steps stop; the kill is the backstop for a step that hangs.
-            result["runs"].append(_run_worker(spec, timeout_s=max(allowance * 1.5, allowance + 30)))
+            result["runs"].append(_run_worker(spec, timeout_s=spec["allowance_s"] + 20))
             save()
         if args.measure_twice:
             measure()  # the disk after the runs: a device that slows when warm or full shows here

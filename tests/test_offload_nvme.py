@@ -143,6 +143,26 @@ def test_io_counters_count_exact_bytes_and_busy_seconds(tmp_path):
     assert after.as_dict()["bytes_read"] == 24_000
 
 
+def test_small_tensors_share_the_queue(tmp_path, monkeypatch):
+    # One request per tensor: with one I/O thread, the outstanding tensors' requests are in the
+    # kernel together (up to queue_depth), not one tensor after the other.
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd, data, offset):
+        time.sleep(0.05)
+        return real_pwrite(fd, data, offset)
+
+    with NvmeSwapStore(tmp_path, aio=_aio(queue_depth=3), buffer_count=4, tag="share") as store:
+        store.allocate({f"k{i}": (1024, torch.float32) for i in range(4)})
+        monkeypatch.setattr(os, "pwrite", slow_pwrite)
+        for f in [store.write(f"k{i}", torch.full((1024,), float(i))) for i in range(4)]:
+            f.result(timeout=30)
+        monkeypatch.undo()
+        assert store.peak_requests_in_flight == 3  # queue_depth x 1 thread, though each tensor is one request
+        for i in range(4):
+            assert torch.equal(store.read_sync(f"k{i}", torch.empty(1024)), torch.full((1024,), float(i)))
+
+
 def test_aligned_buffers_use_direct_io(tmp_path):
     pool = PinnedBufferPool(count=1, numel=5_000, dtype=torch.float32, pin=True)
     buf = pool.acquire()

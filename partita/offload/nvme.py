@@ -20,7 +20,8 @@ What each ``aio`` key does here (DeepSpeed names, partita's thread-based meaning
   that many contiguous stripes, one per thread, so a single large tensor uses every thread.
 - ``queue_depth``: requests each I/O thread keeps in flight at once (a thread hands requests to
   helper threads that each block in one ``pread``/``pwrite``, bounded by a semaphore), so at most
-  ``intra_op_parallelism × queue_depth`` requests are in the kernel at any time.
+  ``intra_op_parallelism × queue_depth`` requests are in the kernel at any time. The requests of
+  all outstanding tensors share those places, so small tensors still fill the queue.
 - ``single_submit``: true makes each I/O thread issue its requests one at a time, waiting for
   each to finish before the next (queue depth 1 per thread); false keeps ``queue_depth`` in flight.
 - ``overlap_events``: true lets a new tensor's requests be submitted while earlier tensors'

@@ -129,9 +129,14 @@ class BlockIO:
         self._pending: set[cf.Future] = set()
         self._slots = threading.BoundedSemaphore(buffer_count)
         self._closed = False
-        self._lanes = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"partita-aio-{tag}")
-        # With single_submit each I/O thread does its own requests; otherwise helpers hold up to
-        # queue_depth requests per I/O thread in the kernel.
+        # With single_submit each I/O thread does its own requests, one at a time; otherwise helpers
+        # hold up to queue_depth requests per I/O thread in the kernel. There, every outstanding
+        # operation gets its lanes at once (threads x buffer_count of them): the next tensor's
+        # requests queue behind the current one's instead of waiting for its last request, so a
+        # tensor smaller than block_size x queue_depth, or the tail of a large one, does not leave
+        # the queue part-empty. The request pool still bounds what is in the kernel.
+        lanes = threads if single_submit else threads * buffer_count
+        self._lanes = cf.ThreadPoolExecutor(max_workers=lanes, thread_name_prefix=f"partita-aio-{tag}")
         self._requests: cf.ThreadPoolExecutor | None = None
         if not single_submit:
             self._requests = cf.ThreadPoolExecutor(
