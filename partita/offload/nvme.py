@@ -32,7 +32,8 @@ What each ``aio`` key does here (DeepSpeed names, partita's thread-based meaning
 
 The store's ``buffer_count`` bounds how many tensor operations may be outstanding: a further
 ``read``/``write`` blocks until one completes, so pending I/O never pins more caller memory than
-the staging buffers the engine holds.
+the staging buffers the engine holds. Outstanding operations are not ordered against each other:
+wait for a key's write before reading that key back (partita's callers always do).
 
 O_DIRECT is probed once per store (tmpfs and some network filesystems refuse it; ``direct_io``
 records the outcome). A request then goes direct only when its memory address and length are
