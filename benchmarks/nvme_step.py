@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch", type=int, default=None, help="default 8 (1 with --tiny)")
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--sub-group-size", type=int, default=None, help="elements per sub-group; default 5e7 (2^20 with --tiny)")
-    p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument("--buffer-count", type=int, default=8,
+                   help="offload_optimizer.buffer_count: 8 lets the prefetch hold 4 sub-groups of Adam states (2 with 4)")
     p.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size")
     p.add_argument("--queue-depth", type=int, default=8, help="aio.queue_depth")
     p.add_argument("--threads", type=int, default=1, help="aio.intra_op_parallelism")
