@@ -566,8 +566,13 @@ class SwappedOptimizerStates:
         return self.store.swap_dir
 
     def close(self) -> None:
-        """Remove the swap files now (also done when this object is collected, and at exit)."""
-        self._finalizer()
+        """Remove the swap files now (also done when this object is collected, and at exit).
+
+        Raises what failed in the last step's deferred writes, after removing the files."""
+        try:
+            self._join_tail()
+        finally:
+            self._finalizer()
 
 
 def _copy(value: Any) -> Any:
