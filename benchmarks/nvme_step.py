@@ -162,7 +162,10 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 
 def table(result: dict) -> str:
     lines = ["| bandwidth | write GB/s | read GB/s | read+write at once GB/s |", "|---|---|---|---|"]
-    rows = [(f"{label} ({bw.get('path')}{', aio ' + _aio_text(bw['aio']) if 'aio' in bw else ''}; "
+    def io_mode(bw: dict) -> str:  # a filesystem without O_DIRECT measures the page cache, not the disk
+        return {True: ", O_DIRECT", False: ", buffered: no O_DIRECT here"}.get(bw.get("direct_io"), "")
+
+    rows = [(f"{label} ({bw.get('path')}{', aio ' + _aio_text(bw['aio']) if 'aio' in bw else ''}{io_mode(bw)}; "
              f"best of {bw.get('samples', 1)})", bw) for label, bw in result["bandwidth"].items()]
     rows += [(f"sweep: aio {_aio_text(bw['aio'])}", bw) for bw in result.get("aio_sweep", [])]
     for label, bw in rows:
