@@ -97,12 +97,14 @@ def test_overlapped_step_is_bitwise_the_exact_step(world_size: int) -> None:
                 assert torch.equal(overlapped["params"][name], want), f"stage {stage}, gas {gas}: {name}"
             assert overlapped["norms"] == plain["norms"]
         # The first step creates the optimizer state unpipelined; every later step of an
-        # overlapped run returned with its host step still running.
+        # overlapped run returned with its host step still running. With 2 ranks the partition
+        # is sharded (the write-back is an all-gather): the plain pipelined step runs instead.
         steps = len(results[0]["norms"])
         flags = rank_out["in_flight"]
         for i in range(len(CASES)):
             overlapped_flags = flags[(2 * i + 1) * steps : (2 * i + 2) * steps]
-            assert overlapped_flags[0] is False and all(overlapped_flags[1:]), overlapped_flags
+            want = [False] + [world_size == 1] * (steps - 1)
+            assert overlapped_flags == want, overlapped_flags
 
 
 def test_overlapped_step_equals_torch() -> None:
@@ -199,3 +201,45 @@ def stage_three(_: None) -> str:
 def test_overlap_at_stage_three_is_refused() -> None:
     message = run_distributed(stage_three, 1, None)[0]
     assert "overlap_step_with_forward needs ZeRO stage 1 or 2" in message and "use stage 2" in message
+
+
+def train_delayed_landings(configs: list[dict]) -> dict:
+    """The delayed update landed beside the next forward (the default on one rank) against the
+    same run landing it whole before the forward (the overlap worker removed)."""
+    import partita
+    from tests.test_zero_parity import STEPS
+    from tests.tiny_models import build_model, make_batches, param_groups
+
+    in_flight = _slow_host_step()
+    out = []
+    for cfg in configs:
+        for beside_forward in (False, True):
+            model = build_model()
+            engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+            if not beside_forward:
+                optimizer.overlapped.close()
+                optimizer.overlapped = None
+            landed_beside = []
+            xs, ys = make_batches(STEPS + 1, cfg["train_batch_size"])
+            for step in range(STEPS + 1):
+                engine.backward(engine(xs[step], ys[step]))
+                engine.step()
+                landed_beside.append(optimizer.overlapped is not None and optimizer.overlapped.in_flight)
+            engine.finish_pending_step()
+            out.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                        "lr": engine.get_lr(), "landed_beside": landed_beside})
+            engine.destroy()
+    return {"runs": out, "in_flight": in_flight}
+
+
+def test_delayed_update_lands_beside_the_forward_bitwise() -> None:
+    configs = [{**_config(stage, 1, **_overlap(False, delayed_param_update=True)), **SCHEDULED} for stage in (1, 2)]
+    runs = run_distributed(train_delayed_landings, 1, configs)[0]["runs"]
+    for stage, (whole, beside) in zip((1, 2), zip(runs[::2], runs[1::2])):
+        for name, want in whole["params"].items():
+            assert torch.equal(beside["params"][name], want), f"stage {stage}: {name}"
+        assert beside["lr"] == whole["lr"]
+        # Step 1 has nothing to land; from step 2 on the previous update goes up beside the
+        # next forward (step 1's made the state, so the next one steps bucket by bucket).
+        assert whole["landed_beside"] == [False] * 4
+        assert beside["landed_beside"] == [False, True, True, True], beside["landed_beside"]

@@ -102,7 +102,8 @@ class OffloadOptimizerConfig(StrictSection):
             "The same update bit for bit; between step() and the next forward, parameters read "
             "directly may be one update old (engine.finish_pending_step() lands it). Needs device "
             "\"cpu\", ZeRO stage 1 or 2, torch's Adam/AdamW, and a model whose modules use only their "
-            "own parameters before their own forward. Off by default."
+            "own parameters before their own forward; used where the offloaded partition is not "
+            "sharded (one data-parallel rank), elsewhere the plain pipelined step runs. Off by default."
         ),
     )
 

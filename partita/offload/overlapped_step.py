@@ -88,6 +88,17 @@ class OverlappedStep:
             self._landed[(g, b)] = landed
         self._ready[(g, b)].set()
 
+    def wait_landed(self, g: int, b: int) -> None:
+        """Block (the calling thread) until bucket ``b`` of group ``g`` of the job in flight has
+        been copied to the device; at once when no job wrote it."""
+        ready = self._ready.get((g, b))
+        if ready is None:
+            return
+        ready.wait()
+        landed = self._landed.get((g, b))
+        if landed is not None:
+            landed.synchronize()
+
     def _waiter(self, keys: list[BucketKey]):
         def wait(module: nn.Module, args) -> None:
             if self._future is None:

@@ -93,26 +93,31 @@ def step_accelerator_groups(optimizer: ShardedOptimizer, restore_unused) -> dict
 
 
 def step_offloaded_groups(optimizer: ShardedOptimizer, held: dict[int, torch.Tensor | None], restore_unused,
-                          options: list[dict], on_bucket=None, *, forward_order: bool = False) -> None:
+                          options: list[dict], on_bucket=None, *, forward_order: bool = False,
+                          write_back: bool = True, before_bucket=None) -> None:
     """Step the offloaded groups bucket by bucket, writing each bucket back once stepped;
     ``on_bucket(g, b)`` is told when bucket ``b`` of group ``g`` has been written back.
     ``forward_order``: buckets (and groups) in the reverse of the layout's order, which is the
-    order the forward uses the parameters in (the layout follows backward's)."""
+    order the forward uses the parameters in (the layout follows backward's).
+    ``write_back=False`` (the delayed update, which lands later) only steps;
+    ``before_bucket(g, b)`` runs before bucket ``b``'s range is stepped."""
     groups = list(held)[::-1] if forward_order else list(held)
     for g in groups:
         group = optimizer.groups[g]
         grad = held[g]
         group.master.grad = grad
         if grad is None:  # no gradient anywhere in the group: torch would skip it
-            optimizer.write_back_group(g)
+            if write_back:
+                optimizer.write_back_group(g)
             for b in range(len(optimizer.bucket_layout(g))):
                 on_bucket is not None and on_bucket(g, b)
             continue
-        _step_group_by_bucket(optimizer, g, restore_unused, options[g], on_bucket, forward_order)
+        _step_group_by_bucket(optimizer, g, restore_unused, options[g], on_bucket, forward_order, write_back,
+                              before_bucket)
 
 
 def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, options: dict, on_bucket,
-                          forward_order: bool) -> None:
+                          forward_order: bool, write_back: bool = True, before_bucket=None) -> None:
     """Each bucket's range is stepped before the bucket is written back. In layout order a
     range ends at the bucket's end rounded up to ``_ALIGN`` (the next bucket's first elements
     are stepped with it); in forward order a range starts at the bucket's start rounded down
@@ -130,10 +135,17 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, o
         starts = [0] + [bucket.partition_start // _ALIGN * _ALIGN for _, bucket in buckets[1:]]
         ends = starts[1:] + [numel]
         for (b, bucket), lo, hi in reversed(list(zip(buckets, starts, ends))):
+            if before_bucket is not None:
+                # The range reaches into the previous (later-stepped) bucket's first elements
+                # only up to the rounding: wait for both buckets it touches.
+                before_bucket(g, b)
+                if b > 0 and lo < bucket.partition_start:
+                    before_bucket(g, b - 1)
             if hi > lo:
                 _step_range(type(inner), options, master, state, step_before, lo, hi, grad_scale)
             restore_unused(g, lo, numel)
-            optimizer.write_back_group(g, [bucket])
+            if write_back:
+                optimizer.write_back_group(g, [bucket])
             if on_bucket is not None:
                 on_bucket(g, b)
     else:

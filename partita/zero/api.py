@@ -130,13 +130,18 @@ def apply_zero(
         model_parallel_group=topology.tensor_group if topology.tensor_size > 1 else None,
         uncounted_params=replicated_elsewhere(topology),
     )
-    if offload.overlap_step_with_forward:
-        if policy.shard_parameters:
-            raise ConfigError(
-                "zero_optimization.offload_optimizer.overlap_step_with_forward needs ZeRO stage 1 or 2: stage 3 "
-                "gathers each parameter from its shard at use, so there is no written-back bucket to wait for; "
-                "use stage 2, or remove overlap_step_with_forward"
-            )
+    if offload.overlap_step_with_forward and policy.shard_parameters:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.overlap_step_with_forward needs ZeRO stage 1 or 2: stage 3 "
+            "gathers each parameter from its shard at use, so there is no written-back bucket to wait for; "
+            "use stage 2, or remove overlap_step_with_forward"
+        )
+    unsharded = all(g.layout.num_shards == 1 for g in groups if g.offloaded)
+    if (offload.overlap_step_with_forward or offload.delayed_param_update) and not policy.shard_parameters and unsharded:
+        # The exact step overlapped with the next forward, or a delayed update landing beside it.
+        # Only where the write-back is a copy: with shards it is an all-gather per bucket, and
+        # collectives from the worker would race the training thread's own (the norm's
+        # all-reduce, a forward's all-to-all) for the same process group.
         from partita.offload.overlapped_step import OverlappedStep
 
         optimizer.overlapped = OverlappedStep(optimizer, module, groups[0].params[0].device)

@@ -216,7 +216,7 @@ class ShardedOptimizer:
         a background thread and reaches the model at the next call (or
         :meth:`finish_pending_step`): the next micro-batches run on weights one update old.
         """
-        self.finish_pending_step()
+        self.finish_pending_step(into_forward=True)
         norm_sq, used = self._reduce_norm_and_usage(received)
         norm = math.sqrt(norm_sq) / loss_scale
         if not math.isfinite(norm):
@@ -337,11 +337,38 @@ class ShardedOptimizer:
             self._uploads_queued = torch.cuda.Event()
             self._uploads_queued.record()
 
+    def _lands_into_forward(self) -> bool:
+        """Whether a delayed update lands bucket by bucket beside the next forward (see
+        :meth:`finish_pending_step`): Adam/AdamW with its state made, stages 1-2, every group
+        offloaded, nothing listening for whole write-backs."""
+        return (self._background is not None and self.overlapped is not None and can_pipeline(self)
+                and all(g.offloaded for g in self.groups) and not self.after_write_back)
+
+    def _land_into_forward(self, on_bucket) -> None:
+        """Write the (delayed) update back bucket by bucket in the forward's order, on the
+        overlap worker; each module's forward waits for its own buckets."""
+        for g in reversed(range(len(self.groups))):
+            for b in reversed(range(len(self.bucket_layout(g)))):
+                self.write_back_group(g, [self.bucket_layout(g)[b]])
+                on_bucket(g, b)
+            self.groups[g].upload_copy_sent()
+
     def _step_inner(self, used: list[list[bool]], *, upload: bool) -> None:
         kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
+
+        def restore(g: int, start: int, end: int) -> None:
+            self._restore_unused(kept, group=g, start=start, end=end)
+
         if upload:
-            step_and_upload(self, lambda g, start, end: self._restore_unused(kept, group=g, start=start, end=end))
+            step_and_upload(self, restore)
             self._note_uploads_queued()
+        elif self._lands_into_forward():
+            # A delayed step while the last update is still going up beside the forward: each
+            # bucket is stepped (in the same order) once its upload has landed, so no copy
+            # reads a master range this step is changing.
+            held = step_accelerator_groups(self, restore)
+            step_offloaded_groups(self, held, restore, snapshot_options(self), forward_order=True, write_back=False,
+                                  before_bucket=self.overlapped.wait_landed)
         elif self.swapper is None:
             self.inner.step()
         else:
@@ -353,18 +380,23 @@ class ShardedOptimizer:
         """A delayed update has been computed (or is being computed) but is not in the model yet."""
         return self._pending is not None
 
-    def finish_pending_step(self) -> None:
+    def finish_pending_step(self, *, into_forward: bool = False) -> None:
         """Wait for a delayed update and write it into the model (a no-op without one).
 
         The engine calls this before checkpoints and exports, so what is saved is the
-        state of one consistent step.
+        state of one consistent step. ``into_forward`` (from :meth:`step`): where it can, the
+        update goes up bucket by bucket beside the next forward instead of before it
+        (:meth:`_land_into_forward`); the next delayed step waits per bucket for it.
         """
         self.finish_overlapped_update()
         if self._pending is None:
             return
         (future, after), self._pending = self._pending, None
         future.result()  # re-raises what failed in the background step
-        self.write_back_params()
+        if into_forward and self._lands_into_forward():
+            self.overlapped.start(self._land_into_forward)
+        else:
+            self.write_back_params()
         if after is not None:
             after()
 
