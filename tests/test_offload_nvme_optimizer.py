@@ -190,6 +190,14 @@ def checkpoint_round_trips(nvme_path: str, save_dir: str) -> dict:
         out[f"{saved}_to_{resumed}"] = _params(engine)
         if resumed == "nvme":
             assert not engine.optimizer.inner.state  # loaded states went to the swap files
+    # A load into an engine that has trained on: the step-3 states its prefetch (pipeline_read)
+    # holds, and the writes its last step left in flight, must not leak into the resumed run.
+    engine = _engine(nvme)
+    _train(engine, 0, 3)
+    assert engine.optimizer.swapper._prefetched  # the next step's first sub-groups are read ahead
+    engine.load_checkpoint(save_dir, tag="from_nvme")
+    _train(engine, 2, TOTAL_STEPS)
+    out["nvme_reloaded"] = _params(engine)
     return out
 
 
@@ -199,7 +207,7 @@ def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path) -> None:
     per_rank = run_distributed(checkpoint_round_trips, 2, str(nvme_path), str(tmp_path / "ckpt"))
     for out in per_rank:
         want = out["uninterrupted_cpu"]
-        for run in ("uninterrupted_nvme", "nvme_to_cpu", "cpu_to_nvme", "nvme_to_nvme"):
+        for run in ("uninterrupted_nvme", "nvme_to_cpu", "cpu_to_nvme", "nvme_to_nvme", "nvme_reloaded"):
             for name, ref in want.items():
                 assert torch.equal(out[run][name], ref), f"{run}: {name}"
     assert os.listdir(nvme_path) == []  # every swap directory removed
