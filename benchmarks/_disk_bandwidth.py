@@ -2,8 +2,8 @@
 
 1. Through partita's own swap path (:class:`~partita.offload.nvme.NvmeSwapStore`): the same
    O_DIRECT block requests, ``aio`` settings, tensor size (one sub-group's state) and number of
-   operations outstanding (``buffer_count``) as the NVMe optimizer uses, on aligned (pinned on a
-   GPU machine) buffers. Write, read, and both at once (half the tensors read while the other
+   operations outstanding (``buffer_count``) as the NVMe optimizer uses, on page-aligned buffers
+   (not page-locked, as the optimizer's). Write, read, and both at once (half the tensors read while the other
    half are written), which says whether the disk serves reads and writes in parallel.
 2. Raw, for reference: ``dd`` with 64 MiB O_DIRECT blocks (the kernel splits each into many
    device requests, so one ``dd`` keeps a deep queue), writing then reading one file. dd writes

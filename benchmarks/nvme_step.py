@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(result, indent=2))
 
     try:
-        pin = args.device == "cuda"
+        pin = False  # as the optimizer's state buffers: they never cross PCIe, so they are not page-locked
         if args.sweep:
             # Each aio setting on a quarter of the data; the fastest (serial read + write time) can run the training.
             sweep = result["aio_sweep"] = []

@@ -280,7 +280,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         lines.append(Line("optimizer states", f"{setup.optimizer} states (swap files): {what}", "nvme", sum(files),
                           note="one file per state and sub-group"))
         widest = max(min(setup.sub_group_size, g.partition_numel) for g in nvme_tier)
-        lines.append(Line("buffers", "NVMe state buffers (fp32, pinned)", "cpu",
+        lines.append(Line("buffers", "NVMe state buffers (fp32, page-aligned, not page-locked)", "cpu",
                           setup.optimizer_buffer_count * (4 * widest + BUFFER_ALIGNMENT),
                           note="buffer_count x min(sub_group_size, partition) elements"))
     if setup.optimizer == "Lion":

@@ -150,8 +150,8 @@ class SwappedOptimizerStates:
         groups: the ZeRO groups (``ShardedOptimizer.groups``); only offloaded ones are swapped.
         inner: the inner optimizer; its class and per-group options are used, never its ``step``
             for the swapped groups.
-        offload: the ``offload_optimizer`` section (``nvme_path``, ``buffer_count``, ``pin_memory``,
-            ``pipeline_read``, ``pipeline_write``).
+        offload: the ``offload_optimizer`` section (``nvme_path``, ``buffer_count``, ``pipeline_read``,
+            ``pipeline_write``; ``pin_memory`` does not apply to the state buffers: they never cross PCIe).
         sub_group_size: ``zero_optimization.sub_group_size``, elements per range.
         aio: the root ``aio`` section (block I/O knobs of the swap store).
         swapped: indices of the groups to swap (the NVMe tier); None: every offloaded group.
@@ -220,8 +220,12 @@ class SwappedOptimizerStates:
                 }
             )
             widest = max((unit.numel for units in self._ranges.values() for unit in units), default=1)
+            # Never page-locked, whatever pin_memory says: states only move between disk and host
+            # memory (the step runs on the host), and O_DIRECT needs alignment, not pinning. Pinning
+            # would lock memory no copy engine reads, rounded up to a power of two by torch's
+            # pinned allocator (a 200 MB buffer takes 256 MB), beyond what `partita estimate` counts.
             self.pool = PinnedBufferPool(
-                count=offload.buffer_count, numel=widest, dtype=torch.float32, pin=offload.pin_memory,
+                count=offload.buffer_count, numel=widest, dtype=torch.float32, pin=False,
                 name="nvme optimizer states",
             )
         except BaseException:
