@@ -243,3 +243,39 @@ def test_delayed_update_lands_beside_the_forward_bitwise() -> None:
         # next forward (step 1's made the state, so the next one steps bucket by bucket).
         assert whole["landed_beside"] == [False] * 4
         assert beside["landed_beside"] == [False, True, True, True], beside["landed_beside"]
+
+
+def train_gpt(_: None) -> dict:
+    """The reference GPT: its blocks wait as wholes (so no hook runs inside a compiled block),
+    the embeddings, final norm and head as their own modules."""
+    import partita
+    from partita.models import GPT, GPTConfig
+
+    in_flight = _slow_host_step(0.002)
+    out = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
+        cfg = {**_config(2, 1, allgather_bucket_size=2000, **_overlap(flag)), "train_batch_size": 2, **SCHEDULED}
+        engine, optimizer, _, _ = partita.initialize(model=model, config=cfg)
+        hooked = sorted({name for name, m in model.named_modules() if m._forward_pre_hooks})
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x = torch.randint(0, 64, (2, 16), generator=g)
+            loss = engine(x, x)[1]
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.finish_pending_step()
+        out[flag] = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "hooked": hooked}
+        engine.destroy()
+    return {**out, "in_flight": in_flight[-4:]}
+
+
+def test_overlap_on_the_reference_gpt_waits_per_block() -> None:
+    out = run_distributed(train_gpt, 1, None)[0]
+    assert out[True]["losses"] == out[False]["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(out[True]["params"], out[False]["params"]))
+    assert out["in_flight"] == [False, True, True, True]
+    assert out[True]["hooked"] == ["blocks.0", "blocks.1", "blocks.2", "lm_head", "ln_f", "pos_emb", "tok_emb"]

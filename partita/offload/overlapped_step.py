@@ -54,10 +54,10 @@ class OverlappedStep:
         bucket_of = _bucket_of_param(optimizer)
         self._keys: list[BucketKey] = sorted({key for keys in bucket_of.values() for key in keys})
         self._hooks = []
-        for sub in module.modules():
-            keys = sorted({key for p in sub.parameters(recurse=False) for key in bucket_of.get(id(p), ())})
+        for waiter, params in _waiting_modules(module):
+            keys = sorted({key for p in params for key in bucket_of.get(id(p), ())})
             if keys:
-                self._hooks.append(sub.register_forward_pre_hook(self._waiter(keys)))
+                self._hooks.append(waiter.register_forward_pre_hook(self._waiter(keys)))
 
     @property
     def in_flight(self) -> bool:
@@ -130,6 +130,22 @@ class OverlappedStep:
             for hook in self._hooks:
                 hook.remove()
             self._worker.shutdown(wait=True)
+
+
+def _waiting_modules(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Which module's forward waits for which parameters: a repeated block (ZeRO-3's units,
+    the regions compile and checkpointing use) for all of its own, so no hook runs inside a
+    compiled block; any other module for the parameters it owns directly."""
+    from partita.zero.param_gatherer import find_units
+
+    blocks = find_units(module)[1:]  # the root is first: it is not a block
+    in_block = {id(p) for block in blocks for p in block.parameters()}
+    out = [(block, list(block.parameters())) for block in blocks]
+    for sub in module.modules():
+        own = [p for p in sub.parameters(recurse=False) if id(p) not in in_block]
+        if own:
+            out.append((sub, own))
+    return out
 
 
 def _bucket_of_param(optimizer: ShardedOptimizer) -> dict[int, set[BucketKey]]:
