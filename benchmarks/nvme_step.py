@@ -2,7 +2,7 @@
 
     # one H200 (16 cores, 128 GiB, disk at /tmp): GPT-1.3B, micro-batch 8, sequence 2048, bf16, ZeRO-2
     python benchmarks/nvme_step.py --device cuda --model gpt_1_3b --micro-batch 8 --nvme-path /tmp/nvme \\
-        --budget-s 170 --out nvme_step_h200.json
+        --bw-gib 2 --sweep 1048576:8:1,1048576:32:1,4194304:16:2 --pick-best --budget-s 150 --out nvme_step_h200.json
     # CPU check of the script (this machine's disk, a 25 M-parameter GPT)
     python benchmarks/nvme_step.py --device cpu --tiny --out /tmp/nvme_step.json
 
