@@ -293,10 +293,6 @@ class SwappedOptimizerStates:
         finally:
             for g in self.swapped_groups:
                 self.groups[g].master.grad = None
-        # The swapped groups have no .grad now, so torch skips them; any other group (the
-        # on-device part under offload_optimizer.ratio < 1) steps as usual. Called even when
-        # nothing is left: LR schedulers and step hooks expect the inner optimizer to step.
-        inner.step()
         for g in {u.group for u in units}:
             self._initialised[g] = True
         stats.deferred = len(behind)
@@ -310,6 +306,10 @@ class SwappedOptimizerStates:
             self._tail_future = self._tail.submit(self._finish_tail, behind, units)
         else:
             self._prefetch(units)
+        # The swapped groups have no .grad now, so torch skips them; any other group (the
+        # on-device part under offload_optimizer.ratio < 1) steps as usual. Called even when
+        # nothing is left: LR schedulers and step hooks expect the inner optimizer to step.
+        inner.step()
 
     def drain(self) -> None:
         """Wait for the writes a step left in flight (``pipeline_write``) and for the prefetch
