@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from partita.zero.sharded_optimizer import ShardedOptimizer
 
 BucketKey = tuple[int, int]  # (group index, bucket index in the group's write-back order)
+# Elements per write-back bucket under the overlap: 128 MB of fp32 per upload, ~3 ms of PCIe
+# and ~8 ms of host Adam on one H200 host.
+OVERLAP_BUCKET_NUMEL = 32 * 2**20
 
 
 class OverlappedStep:
@@ -51,6 +54,14 @@ class OverlappedStep:
         self._future: Future | None = None
         self._ready: dict[BucketKey, threading.Event] = {}
         self._landed: dict[BucketKey, torch.cuda.Event] = {}
+        for g, group in enumerate(optimizer.groups):
+            if group.offloaded:
+                # Unsharded (the only case built): a write-back bucket is only a copy, so small
+                # ones let the forward start after a small part of the host step rather than a
+                # whole allgather_bucket_size of it. Only here: for the plain pipelined step
+                # on one H200, 32 M-element buckets measured 1.48x DeepSpeed against 1.61x
+                # with the 500 M default (per-bucket host overhead, ~1.3 ms each).
+                optimizer.refine_write_back_buckets(g, OVERLAP_BUCKET_NUMEL)
         bucket_of = _bucket_of_param(optimizer)
         self._keys: list[BucketKey] = sorted({key for keys in bucket_of.values() for key in keys})
         self._hooks = []

@@ -27,12 +27,6 @@ if TYPE_CHECKING:
     from partita.zero.sharded_optimizer import ShardedOptimizer
 
 _ALIGN = 64
-# Write-back buckets of an unsharded offloaded group hold at most this many elements: with one
-# shard a bucket is only a host-to-device copy (no collective), so small ones cost nothing, and
-# only the last one's upload (or, with overlap_step_with_forward, the first one's step) is not
-# hidden: 128 MB of fp32, ~3 ms of PCIe and ~8 ms of host Adam on one H200 host, against ~40 ms
-# for a default 500 M-element bucket.
-HOST_BUCKET_NUMEL = 32 * 2**20
 _PIPELINED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 

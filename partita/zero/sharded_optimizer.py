@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from partita.distributed import collectives
 from partita.offload.pipelined_step import (
-    HOST_BUCKET_NUMEL,
     can_pipeline,
     snapshot_options,
     step_accelerator_groups,
@@ -85,11 +84,8 @@ class ShardedOptimizer:
         self._world_size = world_size
         self._num_shards = groups[0].layout.num_shards
         self._clip = gradient_clipping
-        self._gather_buckets = [
-            g.layout.buckets(min(allgather_bucket_numel, HOST_BUCKET_NUMEL)
-                             if g.offloaded and g.layout.num_shards == 1 else allgather_bucket_numel)
-            for g in groups
-        ]
+        self._allgather_bucket_numel = allgather_bucket_numel
+        self._gather_buckets = [g.layout.buckets(allgather_bucket_numel) for g in groups]
         # ZeRO-3: the gatherer keeps sharded parameters' low-precision shards; only
         # persistent (small) parameters are written back whole after a step.
         self.param_store = None
@@ -447,6 +443,11 @@ class ShardedOptimizer:
         self._note_uploads_queued()
         for listener in self.after_write_back:
             listener()
+
+    def refine_write_back_buckets(self, g: int, max_numel: int) -> None:
+        """Cut group ``g``'s write-back buckets to at most ``max_numel`` elements each (never
+        coarser than ``allgather_bucket_size``; the same on every rank, as the layout is)."""
+        self._gather_buckets[g] = self.groups[g].layout.buckets(min(max_numel, self._allgather_bucket_numel))
 
     def bucket_layout(self, g: int) -> list[Bucket]:
         """Group ``g``'s write-back (all-gather) buckets, in the order they are gathered."""
