@@ -243,7 +243,7 @@ def test_env_command_prints_versions() -> None:
 
 
 WORKER = textwrap.dedent("""
-    import sys
+    import os, sys
     import torch, torch.distributed as dist
     from partita.distributed import build_topology, init_distributed
     init_distributed()
@@ -252,6 +252,8 @@ WORKER = textwrap.dedent("""
     dist.all_reduce(x, group=topo.data_group)
     with open(f"{sys.argv[1]}/rank{topo.rank}.txt", "w") as f:
         f.write(f"{topo.world_size} {topo.data_size} {x.item()}")
+    with open(f"{sys.argv[1]}/rank{topo.rank}.alloc", "w") as f:
+        f.write(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "unset"))
     dist.barrier()
     # Ends as users' scripts do: partita's exit path tears the groups down (no gloo abort).
 """)
@@ -260,12 +262,26 @@ WORKER = textwrap.dedent("""
 def test_partita_run_two_cpu_ranks_all_reduce(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
+    env = {k: v for k, v in child_env().items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     result = subprocess.run([*partita_command(), "run", "--nproc", "2", str(worker), str(tmp_path)],
-                            env=child_env(), capture_output=True, text=True, timeout=300)
+                            env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "terminate called" not in result.stderr
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "2 2 1.0"
+        # partita run gives its ranks expandable allocator segments (partita/launcher/allocator.py).
+        assert (tmp_path / f"rank{rank}.alloc").read_text() == "expandable_segments:True"
+
+
+def test_allocator_default_keeps_the_users_setting() -> None:
+    from partita.launcher.allocator import prepare_allocator
+
+    env: dict[str, str] = {}
+    prepare_allocator(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    prepare_allocator(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
 
 
 def test_partita_run_reports_the_failed_rank_exit_code(tmp_path: Path) -> None:

@@ -148,9 +148,11 @@ def _run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    from partita.launcher.allocator import prepare_allocator
     from partita.launcher.signals import prepare_signal_forwarding, signal_exit_code
 
     prepare_signal_forwarding(os.environ)  # SIGUSR1 reaches the ranks, and they get time to save
+    prepare_allocator(os.environ)  # expandable segments: ZeRO's large flat tensors do not fragment
 
     # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE for restarts (d5293f6 set it): the ranks share the
     # agent's store, and partita's init keeps each restart attempt's keys under a prefix of its
