@@ -1,7 +1,7 @@
 """Engine names of the throughput suite (benchmarks/gpu_throughput.py) and which peer each
 engine is compared with.
 
-A name is ``<family>[<stage>][c][-off|-offd|-offo]``:
+A name is ``<family>[<stage>][c][-off|-offd|-offo|-offdo]``:
 
 - family ``torch`` (plain torch; DDP on several ranks), ``fsdp2`` (``fully_shard`` per block),
   ``partita<stage>`` or ``deepspeed<stage>`` with a ZeRO stage 0-3;
@@ -9,7 +9,8 @@ A name is ``<family>[<stage>][c][-off|-offd|-offo]``:
   the suite has no compiled DeepSpeed variant);
 - ``-off`` offloads the optimizer to CPU memory (partita and DeepSpeed), ``-offd`` adds
   partita's one-step-delayed update, ``-offo`` partita's exact step overlapped with the next
-  forward (``overlap_step_with_forward``; both partita only).
+  forward (``overlap_step_with_forward``), ``-offdo`` the delayed update landing beside the next
+  forward (both keys; all three partita only).
 
 Kept apart from the worker so that the naming and peer rules can be tested without a GPU and
 without launching anything.
@@ -39,7 +40,7 @@ class EngineSpec:
     family: str
     stage: int | None
     compiled: bool
-    offload: str | None  # None, "cpu" ("-off"), "delayed" ("-offd") or "overlap" ("-offo")
+    offload: str | None  # None, "cpu" ("-off"), "delayed" ("-offd"), "overlap" ("-offo"), "delayed-overlap" ("-offdo")
 
 
 def parse_engine(name: str) -> EngineSpec:
@@ -58,14 +59,15 @@ def parse_engine(name: str) -> EngineSpec:
             raise EngineNameError(f"engine {name!r} needs a ZeRO stage 0-3 after {family!r}, e.g. {family}2")
     elif stage_text is not None:
         raise EngineNameError(f"engine {name!r}: {family} takes no ZeRO stage; {hint}")
-    offload = {None: None, "-off": "cpu", "-offd": "delayed", "-offo": "overlap"}.get(offload_text, "bad")
+    offload = {None: None, "-off": "cpu", "-offd": "delayed", "-offo": "overlap", "-offdo": "delayed-overlap"}.get(
+        offload_text, "bad")
     if offload == "bad":
-        raise EngineNameError(f"engine {name!r}: unknown offload suffix {offload_text!r} (use -off, -offd or -offo)")
+        raise EngineNameError(f"engine {name!r}: unknown offload suffix {offload_text!r} (use -off, -offd, -offo or -offdo)")
     if offload is not None and family not in STAGED:
         raise EngineNameError(f"engine {name!r}: only partita and deepspeed engines offload; drop {offload_text!r}")
     if family == "deepspeed" and compiled:
         raise EngineNameError(f"engine {name!r}: the suite has no compiled DeepSpeed variant; use deepspeed{stage_text}")
-    if family == "deepspeed" and offload in ("delayed", "overlap"):
+    if family == "deepspeed" and offload in ("delayed", "overlap", "delayed-overlap"):
         raise EngineNameError(f"engine {name!r}: {offload_text!r} is partita's; use deepspeed{stage_text}-off")
     return EngineSpec(name=name, family=family, stage=None if stage_text is None else int(stage_text),
                       compiled=compiled, offload=offload)

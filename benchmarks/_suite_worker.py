@@ -189,8 +189,8 @@ def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any, 
             cfg["compile"] = {"enabled": True, "backend": "inductor"}
         if spec.offload:
             cfg["zero_optimization"]["offload_optimizer"] = {
-                "device": "cpu", "pin_memory": cuda, "delayed_param_update": spec.offload == "delayed",
-                "overlap_step_with_forward": spec.offload == "overlap"}
+                "device": "cpu", "pin_memory": cuda, "delayed_param_update": spec.offload in ("delayed", "delayed-overlap"),
+                "overlap_step_with_forward": spec.offload in ("overlap", "delayed-overlap")}
         args.predicted_peak_gib = _predicted_peak_gib(model, cfg)
         engine, _, _, _ = partita.initialize(model=model, config=cfg)
     else:

@@ -20,7 +20,8 @@ From these it writes the bound each offloaded step is held to:
   of bf16) overlaps the host step bucket by bucket, so at best only those two are serial;
 - exact update overlapped with the next forward (``overlap_step_with_forward``):
   ``T_bwd + max(T_adam, T_fwd)``: the forward runs while the host steps;
-- delayed update: ``max(T_gpu, T_adam)``: the host step runs beside the next forward +
+- delayed update (``-offd``; ``-offdo`` lands it beside the next forward): ``max(T_gpu, T_adam)``:
+  the host step runs beside the next forward +
   backward, so the slower of the two sets the pace (the weights go up from the page-locked
   master in fp32 and are cast on the GPU, so the host casts nothing).
 
@@ -44,7 +45,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 GPT_1_3B_NUMEL = 1_315_819_520  # GPTConfig.gpt_1_3b(), embedding tied
 PROBE_NUMEL = 256 * 2**20  # elements per host probe (1 GiB per fp32 tensor); times scale linearly
-ENGINES = ("partita2", "partita2-off", "partita2-offo", "partita2-offd", "deepspeed2-off")
+ENGINES = ("partita2", "partita2-off", "partita2-offo", "partita2-offd", "partita2-offdo", "deepspeed2-off")
 
 
 def _best(fn, reps: int = 3) -> float:
@@ -162,7 +163,8 @@ def bounds(host: dict, pcie: dict, engines: dict, model_numel: int) -> list[dict
     fwd_s, bwd_s = base["forward_ms"] / 1e3, base["backward_ms"] / 1e3
     for name, bound_s, rule in (("partita2-off", gpu_s + adam_s, "T_gpu + T_adam"),
                                 ("partita2-offo", bwd_s + max(adam_s, fwd_s), "T_bwd + max(T_adam, T_fwd)"),
-                                ("partita2-offd", max(gpu_s, adam_s), "max(T_gpu, T_adam)")):
+                                ("partita2-offd", max(gpu_s, adam_s), "max(T_gpu, T_adam)"),
+                                ("partita2-offdo", max(gpu_s, adam_s), "max(T_gpu, T_adam)")):
         r = engines.get(name, {})
         if r.get("status") != "ok":
             continue

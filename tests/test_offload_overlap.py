@@ -181,8 +181,6 @@ def test_overlap_refusals_name_the_fix() -> None:
     with pytest.raises(ConfigError, match='overlap_step_with_forward .* needs offload_optimizer.device "cpu" '
                                           '\\(got "nvme"\\)'):
         load_config(_config(2, 1, **_overlap(True, device="nvme", nvme_path="/tmp")))
-    with pytest.raises(ConfigError, match="overlap_step_with_forward and delayed_param_update .* choose one"):
-        load_config(_config(2, 1, **_overlap(True, delayed_param_update=True)))
 
 
 def stage_three(_: None) -> str:
@@ -204,8 +202,8 @@ def test_overlap_at_stage_three_is_refused() -> None:
 
 
 def train_delayed_landings(configs: list[dict]) -> dict:
-    """The delayed update landed beside the next forward (the default on one rank) against the
-    same run landing it whole before the forward (the overlap worker removed)."""
+    """Each config with the delayed update landed whole before the next forward (the default)
+    and beside it (with overlap_step_with_forward)."""
     import partita
     from tests.test_zero_parity import STEPS
     from tests.tiny_models import build_model, make_batches, param_groups
@@ -214,11 +212,9 @@ def train_delayed_landings(configs: list[dict]) -> dict:
     out = []
     for cfg in configs:
         for beside_forward in (False, True):
+            cfg["zero_optimization"]["offload_optimizer"]["overlap_step_with_forward"] = beside_forward
             model = build_model()
             engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
-            if not beside_forward:
-                optimizer.overlapped.close()
-                optimizer.overlapped = None
             landed_beside = []
             xs, ys = make_batches(STEPS + 1, cfg["train_batch_size"])
             for step in range(STEPS + 1):

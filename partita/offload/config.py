@@ -103,7 +103,9 @@ class OffloadOptimizerConfig(StrictSection):
             "directly may be one update old (engine.finish_pending_step() lands it). Needs device "
             "\"cpu\", ZeRO stage 1 or 2, torch's Adam/AdamW, and a model whose modules use only their "
             "own parameters before their own forward; used where the offloaded partition is not "
-            "sharded (one data-parallel rank), elsewhere the plain pipelined step runs. Off by default."
+            "sharded (one data-parallel rank), elsewhere the plain pipelined step runs. With "
+            "delayed_param_update, the delayed update lands beside the next forward the same way "
+            "instead of before it. Off by default."
         ),
     )
 
@@ -168,13 +170,6 @@ class OffloadOptimizerConfig(StrictSection):
                 "offload_optimizer.device \"cpu\" (got \"{device}\"); set device \"cpu\" or remove "
                 "overlap_step_with_forward",
                 {"device": self.device},
-            )
-        if self.delayed_param_update:
-            raise PydanticCustomError(
-                "offload_overlap",
-                "overlap_step_with_forward and delayed_param_update both run the host step beside the next "
-                "step; choose one: overlap_step_with_forward keeps the exact update, delayed_param_update "
-                "also hides the backward but applies each update one step late",
             )
         return self
 

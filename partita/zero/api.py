@@ -137,8 +137,9 @@ def apply_zero(
             "use stage 2, or remove overlap_step_with_forward"
         )
     unsharded = all(g.layout.num_shards == 1 for g in groups if g.offloaded)
-    if (offload.overlap_step_with_forward or offload.delayed_param_update) and not policy.shard_parameters and unsharded:
-        # The exact step overlapped with the next forward, or a delayed update landing beside it.
+    if offload.overlap_step_with_forward and not policy.shard_parameters and unsharded:
+        # The exact step overlapped with the next forward, or (delayed_param_update) a delayed
+        # update landing beside it.
         # Only where the write-back is a copy: with shards it is an all-gather per bucket, and
         # collectives from the worker would race the training thread's own (the norm's
         # all-reduce, a forward's all-to-all) for the same process group.
