@@ -261,3 +261,27 @@ def test_engine_8bit_is_world_size_independent_and_keeps_unused_parameters() -> 
         # Only the order of the gradient sums differs between 1 and 2 ranks (fp32 rounding).
         err = float((two["params"][name] - value).norm() / value.norm())
         assert err < 1e-4, (name, err)
+
+
+def test_a_gpu_partition_over_bitsandbytes_32_bit_limit_is_refused_with_the_fix() -> None:
+    # One H200: bitsandbytes' CUDA kernels failed on a 12.2 B-element partition with "Error invalid
+    # argument at line 177 in file /src/csrc/ops.cu"; partita refuses it before training instead.
+    from partita.config import ConfigError
+    from partita.optim.eight_bit import MAX_CUDA_NUMEL, _check_kernel_size_limit
+
+    class GpuPartition:  # stands in for a CUDA tensor of that size (none exists on this machine)
+        is_cuda = True
+
+        def __init__(self, numel: int) -> None:
+            self._numel = numel
+
+        def numel(self) -> int:
+            return self._numel
+
+    _check_kernel_size_limit("AdamW8bit", [{"params": [GpuPartition(MAX_CUDA_NUMEL)]}])  # at the limit: fine
+    _check_kernel_size_limit("AdamW8bit", [{"params": [torch.zeros(4)]}])
+    with pytest.raises(ConfigError) as error:
+        _check_kernel_size_limit("AdamW8bit", [{"params": [torch.zeros(4)]}, {"params": [GpuPartition(12_220_000_000)]}])
+    message = str(error.value)
+    assert "parameter group 1 has 12,220,000,000 elements on the GPU, over the 2,147,483,647" in message
+    assert "Shard it over at least 6 ranks" in message and 'or use "AdamW"' in message

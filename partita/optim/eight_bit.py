@@ -109,12 +109,37 @@ def build_eight_bit_optimizer(kind: str, params: Any, groups: list[dict[str, Any
     tensors under 4,096 elements in fp32, which for a flat partition would make the state
     format (and the result) depend on the world size, since partitions shrink as ranks grow.
     """
+    _check_kernel_size_limit(kind, groups)
     bnb = load_bitsandbytes(kind)
     cls = getattr(bnb.optim, EIGHT_BIT_CLASSES[kind])
     options: dict[str, Any] = {"lr": params.lr, "betas": params.betas, "weight_decay": params.weight_decay}
     if hasattr(params, "eps"):
         options["eps"] = params.eps
     return cls(groups, min_8bit_size=1, **options)
+
+
+MAX_CUDA_NUMEL = 2**31 - 1
+"""Largest tensor bitsandbytes' CUDA 8-bit kernels step: they count elements in 32-bit ints
+(one H200, a 12.2 B-element partition: ``Error invalid argument at line 177 in file
+/src/csrc/ops.cu``)."""
+
+
+def _check_kernel_size_limit(kind: str, groups: list[dict[str, Any]]) -> None:
+    """Refuse, with the numbers and the fixes, a flat partition on a GPU that bitsandbytes
+    cannot step, before training starts rather than at the first step."""
+    for g, group in enumerate(groups):
+        for tensor in group["params"]:
+            if tensor.is_cuda and tensor.numel() > MAX_CUDA_NUMEL:
+                from partita.config.base import ConfigError
+
+                ranks = -(-tensor.numel() // MAX_CUDA_NUMEL)
+                raise ConfigError(
+                    f"optimizer {kind}: this rank's partition of parameter group {g} has {tensor.numel():,} "
+                    f"elements on the GPU, over the {MAX_CUDA_NUMEL:,} that bitsandbytes' 8-bit CUDA kernels "
+                    f"can step (they count elements in 32-bit integers). Shard it over at least {ranks} ranks "
+                    f"(ZeRO stage 1-3 with more data-parallel ranks), split the parameters into more param "
+                    f"groups of under {MAX_CUDA_NUMEL:,} elements each, or use \"AdamW\""
+                )
 
 
 def range_views(state: dict[str, Any], start: int, end: int) -> list[torch.Tensor]:
