@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -65,6 +66,18 @@ def training_config(*, stage: int, micro_batch: int, lr: float = 3e-4) -> dict[s
             "allgather_bucket_size": 500_000_000,
         },
     }
+
+
+def best_seconds(fn, reps: int = 3) -> float:
+    """The fastest of ``reps`` timed calls of ``fn``, after one untimed warm-up call (page
+    faults, thread pool start)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def median_ms(seconds: list[float]) -> float:

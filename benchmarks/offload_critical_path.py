@@ -43,19 +43,12 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import best_seconds  # noqa: E402
 GPT_1_3B_NUMEL = 1_315_819_520  # GPTConfig.gpt_1_3b(), embedding tied
 PROBE_NUMEL = 256 * 2**20  # elements per host probe (1 GiB per fp32 tensor); times scale linearly
 ENGINES = ("partita2", "partita2-off", "partita2-offo", "partita2-offd", "partita2-offdo", "deepspeed2-off")
-
-
-def _best(fn, reps: int = 3) -> float:
-    fn()  # warm-up: first touch, thread pool
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def host_probe(numel: int, model_numel: int) -> dict:
@@ -73,7 +66,7 @@ def host_probe(numel: int, model_numel: int) -> dict:
     }
     result = {"threads": torch.get_num_threads(), "cores": os.cpu_count(), "probe_numel": numel}
     for name, (fn, nbytes) in kernels.items():
-        seconds = _best(fn)
+        seconds = best_seconds(fn)
         result[name] = {"s_per_model": seconds * scale, "gb_per_s": nbytes * numel / seconds / 1e9}
     return result
 

@@ -26,22 +26,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import best_seconds  # noqa: E402
 
 import partita  # noqa: E402
 from partita.models import GPT, GPTConfig  # noqa: E402
 
 KERNEL_NUMEL = 256 * 2**20
 GPT_1_3B_NUMEL = 1_315_819_520
-
-
-def best_seconds(fn, reps: int = 3) -> float:
-    fn()  # warm-up: page faults, thread pool start
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def host_kernels() -> None:

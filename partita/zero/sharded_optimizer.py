@@ -251,6 +251,22 @@ class ShardedOptimizer:
         offloaded master into its pinned upload copy, so that landing the update in
         :meth:`finish_pending_step` is a plain host-to-device copy, not a host cast as well.
         """
+        in_kernel = self._prepare_update(grads, multiplier, scale_offloaded=True)
+        try:
+            self._step_inner(used, upload=upload)
+        finally:
+            if in_kernel:
+                del self.inner.grad_scale
+        for group, grad in zip(self.groups, grads):
+            group.master.grad = None
+            group.recycle_grad_buffer(grad)
+            if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
+                group.fill_upload_copy()
+
+    def _prepare_update(self, grads: list[torch.Tensor | None], multiplier: float, *, scale_offloaded: bool) -> bool:
+        """The start of every update: wait for uploads still reading the masters, put the
+        unscale + clip ``multiplier`` into the fused kernel (returns whether it went there) or
+        into the gradients, and set each master's ``.grad``."""
         if self._uploads_queued is not None:
             # Weights go up straight from page-locked masters: no copy may still be reading
             # a master this step is about to change.
@@ -263,35 +279,17 @@ class ShardedOptimizer:
             # which for a host-offloaded 1.3 B model is ~70 ms of the step.
             self.inner.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32)
         for group, grad in zip(self.groups, grads):
-            if grad is not None and multiplier != 1.0 and not in_kernel:
+            if grad is not None and multiplier != 1.0 and not in_kernel and (scale_offloaded or not group.offloaded):
                 grad.mul_(multiplier)
             group.master.grad = grad  # None: the group got no gradient; torch skips it
-        try:
-            self._step_inner(used, upload=upload)
-        finally:
-            if in_kernel:
-                del self.inner.grad_scale
-        for group, grad in zip(self.groups, grads):
-            group.master.grad = None
-            group.recycle_grad_buffer(grad)
-            if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
-                group.fill_upload_copy()
+        return in_kernel
 
     @torch.no_grad()
     def _start_overlapped_update(self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]]) -> None:
         """The exact update with the offloaded groups stepped on the overlap worker; what
         reads shared state (the learning rates, the clip divisor, the on-accelerator groups'
         step) happens here, before ``step()`` returns and the LR scheduler steps."""
-        if self._uploads_queued is not None:
-            self._uploads_queued.synchronize()
-            self._uploads_queued = None
-        in_kernel = multiplier != 1.0 and self._fused_adam
-        if in_kernel:
-            self.inner.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32)
-        for group, grad in zip(self.groups, grads):
-            if grad is not None and multiplier != 1.0 and not in_kernel and not group.offloaded:
-                grad.mul_(multiplier)
-            group.master.grad = grad
+        in_kernel = self._prepare_update(grads, multiplier, scale_offloaded=False)  # the worker scales those
         kept = self._save_unused(used)
 
         def restore(g: int, start: int, end: int) -> None:
