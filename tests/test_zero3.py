@@ -209,13 +209,13 @@ def logits_gradients(_: None) -> dict:
     from partita.zero import param_gatherer
 
     received = []
-    original = param_gatherer._GatherBeforeBackward.backward
+    original = param_gatherer.GatherBeforeBackward.backward
 
     def spy(ctx, *grads):
         received.append([g is None for g in grads])
         return original(ctx, *grads)
 
-    param_gatherer._GatherBeforeBackward.backward = staticmethod(spy)
+    param_gatherer.GatherBeforeBackward.backward = staticmethod(spy)
     out = {}
     try:
         for stage in (3, 2):
@@ -233,7 +233,7 @@ def logits_gradients(_: None) -> dict:
                 gatherer.gather([p for p in model.parameters() if gatherer.is_sharded_param(p)])
             out[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
-        param_gatherer._GatherBeforeBackward.backward = original
+        param_gatherer.GatherBeforeBackward.backward = original
     out["received"] = received
     return out
 

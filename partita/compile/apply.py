@@ -201,7 +201,7 @@ def check_zero3(
 def _check_no_unit_inside(model: nn.Module, regions: list[tuple[str, nn.Module]]) -> None:
     """A compiled region must not contain a ZeRO-3 unit below it: that unit's gather hooks
     would run inside the compiled code."""
-    from partita.zero.param_gatherer import find_units
+    from partita.zero.units import find_units
 
     units = find_units(model)[1:]  # the root's own hooks run around any region
     for name, region in regions:

@@ -164,7 +164,7 @@ def _units(module: nn.Module, trainable: set[nn.Parameter]) -> tuple[dict[nn.Par
     """Each trainable parameter's ZeRO-3 unit, by ParameterGatherer._assign_units' rule: the
     innermost unit containing it, or the root when two units that do not nest share it.
     (Persistent parameters are simply left out of their unit later.)"""
-    from partita.zero.param_gatherer import find_units
+    from partita.zero.units import find_units
 
     units = find_units(module)
     owner: dict[nn.Parameter, nn.Module] = {}

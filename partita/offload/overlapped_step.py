@@ -147,7 +147,7 @@ def _waiting_modules(module: nn.Module) -> list[tuple[nn.Module, list[nn.Paramet
     """Which module's forward waits for which parameters: a repeated block (ZeRO-3's units,
     the regions compile and checkpointing use) for all of its own, so no hook runs inside a
     compiled block; any other module for the parameters it owns directly."""
-    from partita.zero.param_gatherer import find_units
+    from partita.zero.units import find_units
 
     blocks = find_units(module)[1:]  # the root is first: it is not a block
     in_block = {id(p) for block in blocks for p in block.parameters()}

@@ -8,7 +8,7 @@ DeepSpeed's ``deepspeed.zero`` names: ``Init``, ``GatheredParameters``,
 from partita.zero.external import register_external_parameter, unregister_external_parameter
 from partita.zero.gathered import GatheredParameters
 from partita.zero.init_context import Init
-from partita.zero.param_gatherer import set_z3_leaf_modules
+from partita.zero.units import set_z3_leaf_modules
 
 __all__ = [
     "GatheredParameters",

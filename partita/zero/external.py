@@ -93,7 +93,7 @@ def check_external_parameters(model: nn.Module, gatherer: Any) -> None:
     """Refuse registrations ZeRO-3's units would not honour (``gatherer``: the stage-3 ParameterGatherer)."""
     if gatherer is None or not len(_registry):
         return
-    from partita.zero.param_gatherer import find_units
+    from partita.zero.units import find_units
 
     units = find_units(model)
     module_names = {id(m): name or "the model" for name, m in model.named_modules()}

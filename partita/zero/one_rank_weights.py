@@ -17,7 +17,7 @@ and partita ZeRO-3 at one rank hold only what runs). Here a *unit* (ZeRO-3's: th
 every ``nn.ModuleList`` and modules marked with ``set_z3_leaf_modules``,
 ``param_gatherer.find_units``) frees its parameters' storage in place when its training forward
 ends (``untyped_storage().resize_(0)``: the tensors autograd saved keep pointing at the same
-storage), and ZeRO-3's identity on the unit's outputs (``_GatherBeforeBackward``) refills them
+storage), and ZeRO-3's identity on the unit's outputs (``GatherBeforeBackward``) refills them
 when gradients reach those outputs, before the unit's own backward. Refilled units stay whole:
 the backward frees activations much faster than it brings weights back, and at the end of
 backward the model is whole again, as ZeRO-1/2 promise between steps. Parameters outside every
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from partita.tensor_containers import map_tensors, tensors_in
-from partita.zero.param_gatherer import _GatherBeforeBackward, _in_backward_pass, _is_inside, find_units
+from partita.zero.units import GatherBeforeBackward, in_backward_pass, is_inside, find_units
 from partita.zero.shard_group import ShardedParamGroup
 
 __all__ = ["OneRankWeights", "build_one_rank_weights"]
@@ -117,12 +117,12 @@ class OneRankWeights:
             self._refill(unit)
 
     def on_pre_backward(self, unit: nn.Module) -> None:
-        """Gradients reached ``unit``'s outputs (``_GatherBeforeBackward``): its weights are needed."""
+        """Gradients reached ``unit``'s outputs (``GatherBeforeBackward``): its weights are needed."""
         if unit in self._freed:
             self._refill(unit)
 
     def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
-        if not (self._root.training and torch.is_grad_enabled()) or _in_backward_pass():
+        if not (self._root.training and torch.is_grad_enabled()) or in_backward_pass():
             return None  # no backward follows, or this is the recomputation right before it
         if torch.compiler.is_compiling() or _records_cuda_graphs(unit):
             return None
@@ -136,7 +136,7 @@ class OneRankWeights:
             param.data.untyped_storage().resize_(0)
         self._freed.add(unit)
         self.freed_count += 1
-        wrapped = _GatherBeforeBackward.apply(self, unit, *tensors)
+        wrapped = GatherBeforeBackward.apply(self, unit, *tensors)
         replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
         return map_tensors(output, lambda t: replacement.get(id(t), t))
 
@@ -185,7 +185,7 @@ def _assign_units(module: nn.Module, freeable: set[nn.Parameter]) -> dict[nn.Mod
     for unit in units:
         for param in unit.parameters():
             held = owner.get(param)
-            if held is not None and held is not unit and not _is_inside(held, unit):
+            if held is not None and held is not unit and not is_inside(held, unit):
                 owner[param] = None
     result: dict[nn.Module, list[nn.Parameter]] = {}
     for param, unit in owner.items():

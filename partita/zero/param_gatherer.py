@@ -77,19 +77,7 @@ from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
-
-_LEAF_TYPES_ATTR = "_partita_z3_leaf_types"
-
-
-def set_z3_leaf_modules(model: nn.Module, module_types: Sequence[type[nn.Module]]) -> None:
-    """Mark modules of these types as ZeRO-3 units gathered whole (as DeepSpeed's function of
-    the same name). Call before ``partita.initialize``."""
-    for t in module_types:
-        if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise ValueError(f"set_z3_leaf_modules expects nn.Module subclasses, got {t!r}")
-    # Recorded on the model object (not on parameters) so initialize() can find it.
-    setattr(model, _LEAF_TYPES_ATTR, tuple(module_types))
-
+from partita.zero.units import GatherBeforeBackward, in_backward_pass, is_inside, unit_names, find_units
 
 class ParamState(enum.Enum):
     """SHARDED -> GATHERING (prefetch in flight) -> GATHERED -> SHARDED."""
@@ -108,43 +96,6 @@ class _InFlight:
     params: list[nn.Parameter]
     columns: list[int]
     ready: Any  # the storage's side-stream event (None without one), see partita/offload/param_offload.py
-
-
-def find_units(model: nn.Module) -> list[nn.Module]:
-    """The modules gathered as one piece, outermost first (the root is always first)."""
-    leaf_types = getattr(model, _LEAF_TYPES_ATTR, ())
-    units: list[nn.Module] = [model]
-    seen = {id(model)}
-    for module in model.modules():
-        candidates: list[nn.Module] = []
-        if isinstance(module, nn.ModuleList):
-            candidates = list(module)
-        elif leaf_types and isinstance(module, leaf_types):
-            candidates = [module]
-        for child in candidates:
-            if id(child) not in seen and any(True for _ in child.parameters()):
-                units.append(child)
-                seen.add(id(child))
-    return units
-
-
-class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward gathers the unit's parameters, so they are
-    back before autograd reaches the unit's own backward."""
-
-    @staticmethod
-    def forward(ctx: Any, gatherer: ParameterGatherer, unit: nn.Module, *tensors: torch.Tensor):
-        ctx.gatherer, ctx.unit = gatherer, unit
-        # Outputs that backward never reaches (the logits beside a loss) get no gradient: by
-        # default autograd would materialise zeros of their size at the start of backward,
-        # the memory peak (1.5 GiB for GPT-1.3B's bf16 logits at micro-batch 8).
-        ctx.set_materialize_grads(False)
-        return tensors if len(tensors) != 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None):
-        ctx.gatherer.on_pre_backward(ctx.unit)
-        return (None, None) + grads
 
 
 class ParameterGatherer:
@@ -192,7 +143,7 @@ class ParameterGatherer:
         self._device = groups[0].params[0].device
         # Each rank's low-precision shard of every parameter, what all-gathers read from: on the
         # device, in host memory or on NVMe (``offload_param``, partita/offload/param_offload.py).
-        names = _unit_names(model, list(self._unit_params))
+        names = unit_names(model, list(self._unit_params))
         self.storage: ShardStorage = build_shard_storage(
             groups, self._device, offload=offload_param, aio=aio,
             units=[UnitPieces(name, tuple(self._piece(p) for p in params))
@@ -246,7 +197,7 @@ class ParameterGatherer:
         # goes to the root, which stays gathered through forward and backward.
         for unit in units[1:]:
             for param in unit.parameters():
-                if owner.get(param) is not None and owner[param] is not unit and not _is_inside(owner[param], unit):
+                if owner.get(param) is not None and owner[param] is not unit and not is_inside(owner[param], unit):
                     owner[param] = model
         result: dict[nn.Module, list[nn.Parameter]] = {unit: [] for unit in units}
         for param, unit in owner.items():
@@ -271,14 +222,14 @@ class ParameterGatherer:
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
         training = self._root.training and torch.is_grad_enabled()
-        if unit is self._root and not _in_backward_pass():
+        if unit is self._root and not in_backward_pass():
             if training:
                 self._begin_forward()
             else:
                 self._in_forward = False  # a forward that raised midway left it set
         if self._in_forward:
             self._forward_event(unit, end=False)
-        elif training and _in_backward_pass():
+        elif training and in_backward_pass():
             self._before_backward(unit)  # recomputation under activation checkpointing
         else:
             self.gather_unit(unit)  # eval, no_grad, or a unit called outside the model's forward
@@ -296,7 +247,7 @@ class ParameterGatherer:
     def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
         if self._in_forward:
             self._forward_event(unit, end=True)
-        elif _in_backward_pass():
+        elif in_backward_pass():
             pass  # recomputation: this unit's backward runs next, its gradient hooks free it
         elif not torch.is_grad_enabled() or unit is not self._root:
             self.release_unit(unit)  # the root stays gathered until its gradients are produced
@@ -306,7 +257,7 @@ class ParameterGatherer:
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return output
-        wrapped = _GatherBeforeBackward.apply(self, unit, *tensors)
+        wrapped = GatherBeforeBackward.apply(self, unit, *tensors)
         replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
         return map_tensors(output, lambda t: replacement.get(id(t), t))
 
@@ -601,22 +552,3 @@ class ParameterGatherer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-def _is_inside(inner: nn.Module, outer: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
-
-
-def _unit_names(model: nn.Module, units: list[nn.Module]) -> list[str]:
-    """How error messages name each unit: its dotted path in the model, and its class."""
-    paths = {id(module): name for name, module in model.named_modules()}
-    return [
-        f"'{paths[id(u)]}' ({type(u).__name__})" if paths.get(id(u)) else f"the model itself ({type(u).__name__})"
-        for u in units
-    ]
-
-
-def _in_backward_pass() -> bool:
-    """True while autograd runs a backward on this thread (where activation checkpointing
-    recomputes a unit's forward)."""
-    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,89 @@
+"""ZeRO-3's units, shared by everything that works block by block.
+
+A *unit* is a module handled as one piece: the children of every ``nn.ModuleList`` (a
+transformer's repeated blocks), modules marked with :func:`set_z3_leaf_modules`, and the root
+for everything else (see [Note: units] in partita/zero/param_gatherer.py). ZeRO-3 gathers them
+(param_gatherer.py), one-rank ZeRO 0-2 frees their weights between forward and backward
+(one_rank_weights.py), the offload overlap waits for them (offload/overlapped_step.py), and
+compile and the estimator find blocks with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+class BeforeBackward(Protocol):
+    def on_pre_backward(self, unit: nn.Module) -> None: ...
+
+
+_LEAF_TYPES_ATTR = "_partita_z3_leaf_types"
+
+
+def set_z3_leaf_modules(model: nn.Module, module_types: Sequence[type[nn.Module]]) -> None:
+    """Mark modules of these types as ZeRO-3 units gathered whole (as DeepSpeed's function of
+    the same name). Call before ``partita.initialize``."""
+    for t in module_types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise ValueError(f"set_z3_leaf_modules expects nn.Module subclasses, got {t!r}")
+    # Recorded on the model object (not on parameters) so initialize() can find it.
+    setattr(model, _LEAF_TYPES_ATTR, tuple(module_types))
+
+
+def find_units(model: nn.Module) -> list[nn.Module]:
+    """The modules gathered as one piece, outermost first (the root is always first)."""
+    leaf_types = getattr(model, _LEAF_TYPES_ATTR, ())
+    units: list[nn.Module] = [model]
+    seen = {id(model)}
+    for module in model.modules():
+        candidates: list[nn.Module] = []
+        if isinstance(module, nn.ModuleList):
+            candidates = list(module)
+        elif leaf_types and isinstance(module, leaf_types):
+            candidates = [module]
+        for child in candidates:
+            if id(child) not in seen and any(True for _ in child.parameters()):
+                units.append(child)
+                seen.add(id(child))
+    return units
+
+
+class GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward gathers the unit's parameters, so they are
+    back before autograd reaches the unit's own backward."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: BeforeBackward, unit: nn.Module, *tensors: torch.Tensor):
+        ctx.gatherer, ctx.unit = gatherer, unit
+        # Outputs that backward never reaches (the logits beside a loss) get no gradient: by
+        # default autograd would materialise zeros of their size at the start of backward,
+        # the memory peak (1.5 GiB for GPT-1.3B's bf16 logits at micro-batch 8).
+        ctx.set_materialize_grads(False)
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None):
+        ctx.gatherer.on_pre_backward(ctx.unit)
+        return (None, None) + grads
+
+
+def is_inside(inner: nn.Module, outer: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def unit_names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    """How error messages name each unit: its dotted path in the model, and its class."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    return [
+        f"'{paths[id(u)]}' ({type(u).__name__})" if paths.get(id(u)) else f"the model itself ({type(u).__name__})"
+        for u in units
+    ]
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward on this thread (where activation checkpointing
+    recomputes a unit's forward)."""
+    return torch._C._current_graph_task_id() != -1
