@@ -263,25 +263,52 @@ def test_engine_8bit_is_world_size_independent_and_keeps_unused_parameters() -> 
         assert err < 1e-4, (name, err)
 
 
-def test_a_gpu_partition_over_bitsandbytes_32_bit_limit_is_refused_with_the_fix() -> None:
-    # One H200: bitsandbytes' CUDA kernels failed on a 12.2 B-element partition with "Error invalid
-    # argument at line 177 in file /src/csrc/ops.cu"; partita refuses it before training instead.
-    from partita.config import ConfigError
-    from partita.optim.eight_bit import MAX_CUDA_NUMEL, _check_kernel_size_limit
+def _train_eight_bit_in_chunks(limit: int | None) -> dict:
+    """4 steps of AdamW8bit at ZeRO-2 on one rank, each partition stepped in chunks of at most
+    ``limit`` elements (None: whole), as partitions over bitsandbytes' CUDA limit are."""
+    import bitsandbytes as bnb
 
-    class GpuPartition:  # stands in for a CUDA tensor of that size (none exists on this machine)
-        is_cuda = True
+    import partita
+    import partita.optim.eight_bit as eight_bit
+    from tests.tiny_models import build_model, make_batches, param_groups
 
-        def __init__(self, numel: int) -> None:
-            self._numel = numel
+    eight_bit.chunk_limit = lambda tensor: limit
+    calls = []
+    original = bnb.optim.optimizer.Optimizer2State.update_step
 
-        def numel(self) -> int:
-            return self._numel
+    def spy(self, group, p, gindex, pindex):
+        calls.append(p.numel())
+        return original(self, group, p, gindex, pindex)
 
-    _check_kernel_size_limit("AdamW8bit", [{"params": [GpuPartition(MAX_CUDA_NUMEL)]}])  # at the limit: fine
-    _check_kernel_size_limit("AdamW8bit", [{"params": [torch.zeros(4)]}])
-    with pytest.raises(ConfigError) as error:
-        _check_kernel_size_limit("AdamW8bit", [{"params": [torch.zeros(4)]}, {"params": [GpuPartition(12_220_000_000)]}])
-    message = str(error.value)
-    assert "parameter group 1 has 12,220,000,000 elements on the GPU, over the 2,147,483,647" in message
-    assert "Shard it over at least 6 ranks" in message and 'or use "AdamW"' in message
+    bnb.optim.optimizer.Optimizer2State.update_step = spy
+    cfg = {"train_batch_size": 8, "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": 2}, "gradient_clipping": 0.5, "steps_per_print": 1000}
+    model = build_model()
+    engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    xs, ys = make_batches(4, 8)
+    for step in range(4):
+        engine.backward(engine(xs[step], ys[step]))
+        engine.step()
+    states = {k: v.clone() for s in optimizer.inner.state.values() for k, v in s.items() if torch.is_tensor(v)}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "calls": calls,
+            "partitions": [g.master.numel() for g in optimizer.groups], "states": states,
+            "steps": [s["step"] for s in optimizer.inner.state.values()]}
+
+
+def test_partitions_over_the_kernel_limit_step_in_chunks_bitwise() -> None:
+    # One H200: bitsandbytes' CUDA kernels count elements in 32-bit ints and failed on a 12.2 B-
+    # element partition ("Error invalid argument at line 177 in file /src/csrc/ops.cu"); such
+    # partitions are stepped in block-aligned chunks. Here the limit is 512 elements on CPU.
+    whole = run_distributed(_train_eight_bit_in_chunks, 1, None)[0]
+    chunked = run_distributed(_train_eight_bit_in_chunks, 1, 512)[0]
+    for name, want in whole["params"].items():
+        assert torch.equal(chunked["params"][name], want), name
+    for key, want in whole["states"].items():
+        assert torch.equal(chunked["states"][key], want), key
+    assert chunked["steps"] == whole["steps"] == [4] * len(whole["steps"])
+    big = [n for n in whole["partitions"] if n > 512]
+    assert big, whole["partitions"]
+    # Every call stepped at most 512 elements, and each big partition took ceil(n / 512) calls a step.
+    assert max(chunked["calls"]) <= 512
+    assert len(chunked["calls"]) == 4 * sum(-(-n // 512) if n > 512 else 1 for n in whole["partitions"])
+    assert len(whole["calls"]) == 4 * len(whole["partitions"])

@@ -51,6 +51,7 @@ __all__ = [
     "is_block_wise",
     "load_bitsandbytes",
     "range_views",
+    "step_eight_bit",
 ]
 
 BLOCK_SIZE = 256
@@ -109,7 +110,6 @@ def build_eight_bit_optimizer(kind: str, params: Any, groups: list[dict[str, Any
     tensors under 4,096 elements in fp32, which for a flat partition would make the state
     format (and the result) depend on the world size, since partitions shrink as ranks grow.
     """
-    _check_kernel_size_limit(kind, groups)
     bnb = load_bitsandbytes(kind)
     cls = getattr(bnb.optim, EIGHT_BIT_CLASSES[kind])
     options: dict[str, Any] = {"lr": params.lr, "betas": params.betas, "weight_decay": params.weight_decay}
@@ -119,27 +119,58 @@ def build_eight_bit_optimizer(kind: str, params: Any, groups: list[dict[str, Any
 
 
 MAX_CUDA_NUMEL = 2**31 - 1
-"""Largest tensor bitsandbytes' CUDA 8-bit kernels step: they count elements in 32-bit ints
-(one H200, a 12.2 B-element partition: ``Error invalid argument at line 177 in file
-/src/csrc/ops.cu``)."""
+"""Largest tensor one call of bitsandbytes' CUDA 8-bit kernels steps: they count elements in
+32-bit ints (one H200, a 12.2 B-element partition in one call: ``Error invalid argument at
+line 177 in file /src/csrc/ops.cu``). Larger partitions are stepped in chunks
+(:func:`step_eight_bit`)."""
 
 
-def _check_kernel_size_limit(kind: str, groups: list[dict[str, Any]]) -> None:
-    """Refuse, with the numbers and the fixes, a flat partition on a GPU that bitsandbytes
-    cannot step, before training starts rather than at the first step."""
-    for g, group in enumerate(groups):
-        for tensor in group["params"]:
-            if tensor.is_cuda and tensor.numel() > MAX_CUDA_NUMEL:
-                from partita.config.base import ConfigError
+def chunk_limit(tensor: torch.Tensor) -> int | None:
+    """Elements of ``tensor`` one bitsandbytes call may step (whole blocks), or None: no limit
+    (the CPU path indexes with 64-bit integers)."""
+    return MAX_CUDA_NUMEL // BLOCK_SIZE * BLOCK_SIZE if tensor.is_cuda else None
 
-                ranks = -(-tensor.numel() // MAX_CUDA_NUMEL)
-                raise ConfigError(
-                    f"optimizer {kind}: this rank's partition of parameter group {g} has {tensor.numel():,} "
-                    f"elements on the GPU, over the {MAX_CUDA_NUMEL:,} that bitsandbytes' 8-bit CUDA kernels "
-                    f"can step (they count elements in 32-bit integers). Shard it over at least {ranks} ranks "
-                    f"(ZeRO stage 1-3 with more data-parallel ranks), split the parameters into more param "
-                    f"groups of under {MAX_CUDA_NUMEL:,} elements each, or use \"AdamW\""
-                )
+
+@torch.no_grad()
+def step_eight_bit(inner: torch.optim.Optimizer) -> None:
+    """``inner.step()`` for a bitsandbytes optimizer over flat partitions, with each partition
+    larger than :func:`chunk_limit` stepped chunk by chunk.
+
+    Why chunks are exact: block-wise 8-bit Adam/Lion update each block of 256 elements from that
+    block's codes and scale alone, so stepping whole blocks apart is stepping them together.
+    Each chunk is a view of the partition (and of its states) handed to the optimizer's own
+    ``update_step``, with the step count it would have had; no state is copied.
+    """
+    big = []
+    for gindex, group in enumerate(inner.param_groups):
+        for pindex, param in enumerate(group["params"]):
+            limit = chunk_limit(param)
+            if param.grad is not None and limit is not None and param.numel() > limit:
+                big.append((gindex, pindex, group, param, limit, param.grad))
+                param.grad = None  # the whole-tensor call below skips it
+    try:
+        inner.step()
+    finally:
+        for *_, param, _, grad in big:
+            param.grad = grad
+    for gindex, pindex, group, param, limit, grad in big:
+        state = inner.state[param]
+        if len(state) == 0:
+            inner.init_state(group, param, gindex, pindex)
+        for lo in range(0, param.numel(), limit):
+            hi = min(lo + limit, param.numel())
+            chunk = param[lo:hi]
+            chunk.grad = grad[lo:hi]
+            first, last = block_span(lo, hi)
+            inner.state[chunk] = {
+                key: (value[lo:hi] if key in PER_ELEMENT_KEYS else value[first:last] if key in PER_BLOCK_KEYS else value)
+                for key, value in state.items()
+            }
+            try:
+                inner.update_step(group, chunk, gindex, pindex)
+            finally:
+                del inner.state[chunk]
+        state["step"] += 1
 
 
 def range_views(state: dict[str, Any], start: int, end: int) -> list[torch.Tensor]:

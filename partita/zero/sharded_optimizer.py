@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from partita.distributed import collectives
+from partita.optim.eight_bit import step_eight_bit
 from partita.offload.pipelined_step import (
     can_pipeline,
     snapshot_options,
@@ -102,6 +103,7 @@ class ShardedOptimizer:
         self._fused_adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(
             g.get("fused") for g in inner.param_groups)
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
+        self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
         self._uploads_queued: torch.cuda.Event | None = None  # see _note_uploads_queued
         # offload_optimizer.overlap_step_with_forward: the exact step runs on beside the next
         # forward (partita/offload/overlapped_step.py); set by apply_zero.
@@ -363,6 +365,8 @@ class ShardedOptimizer:
             held = step_accelerator_groups(self, restore)
             step_offloaded_groups(self, held, restore, snapshot_options(self), forward_order=True, write_back=False,
                                   before_bucket=self.overlapped.wait_landed)
+        elif self.swapper is None and self._eight_bit:
+            step_eight_bit(self.inner)  # partitions over bitsandbytes' 32-bit limit go in chunks
         elif self.swapper is None:
             self.inner.step()
         else:
