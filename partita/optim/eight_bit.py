@@ -125,10 +125,16 @@ line 177 in file /src/csrc/ops.cu``). Larger partitions are stepped in chunks
 (:func:`step_eight_bit`)."""
 
 
+CUDA_CHUNK_NUMEL = 2**30
+"""Elements per chunk on CUDA: half the limit, so no count the kernels derive from it (bytes of
+a 2-byte tensor, say) can pass 2^31 either; 4 GiB of fp32 master per call is plenty to keep a
+GPU busy."""
+
+
 def chunk_limit(tensor: torch.Tensor) -> int | None:
     """Elements of ``tensor`` one bitsandbytes call may step (whole blocks), or None: no limit
     (the CPU path indexes with 64-bit integers)."""
-    return MAX_CUDA_NUMEL // BLOCK_SIZE * BLOCK_SIZE if tensor.is_cuda else None
+    return CUDA_CHUNK_NUMEL if tensor.is_cuda else None
 
 
 @torch.no_grad()
