@@ -1,23 +1,22 @@
-"""partita.estimate: model states equal partita's real allocation byte for byte, the GPT
-activation formula agrees with measured saved tensors, the recommender picks the documented
-setup, and the ``partita estimate`` command prints tables and clear errors."""
+"""partita.estimate's model states equal partita's real allocation byte for byte (parameters,
+masters, optimizer states, gradient partitions, reduce buckets, pinned pools, swap files) at
+every stage and offload placement, on 1 and 2 ranks; and the one-rank GPT total of model
+states + activations is within 1% of the measured bytes."""
 
 from __future__ import annotations
 
-import json
 import os
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from partita.estimate import EstimateError, GPTShape, Setup, estimate_memory, parse_bytes, recommend_config
+from partita.estimate import Setup, estimate_memory
 from partita.estimate.activations import SAVED_KINDS
 from partita.estimate.buffers import reduce_buckets
 from partita.estimate.model_info import model_info
+from tests._estimate_helpers import _ACT_BATCH, _ACT_SHAPE, _act_model, _batch, saved_tensor_bytes
 from tests.harness import run_distributed
+
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -309,112 +308,7 @@ def test_stage3_shard_bytes_by_device_exact(world_2):
         assert results[4]["measured"]["pinned"] == 2 * (64 * 2**20 + 4096) + 3 * (4 * 1500 + 4096)
 
 
-# ----------------------------------------------------------------------------- (2) activations
-
-_ACT_SHAPE = GPTShape(d_model=64, n_layers=3, n_heads=4, vocab=256, seq_len=64)
-_ACT_BATCH = 4
-
-
-def _act_model(dtype: torch.dtype, policy: str | None, k: int = 1):
-    from partita.activation_checkpointing.apply import apply_activation_checkpointing
-    from partita.models.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    s = _ACT_SHAPE
-    model = GPT(GPTConfig(vocab_size=s.vocab, block_size=s.seq_len, n_layer=s.n_layers, n_head=s.n_heads,
-                          n_embd=s.d_model)).to(dtype)
-    if policy is not None:
-        apply_activation_checkpointing(model, policy=policy, k=k)
-    return model
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    return (torch.randint(0, _ACT_SHAPE.vocab, (_ACT_BATCH, _ACT_SHAPE.seq_len), generator=g),
-            torch.randint(0, _ACT_SHAPE.vocab, (_ACT_BATCH, _ACT_SHAPE.seq_len), generator=g))
-
-
-def saved_tensor_bytes(model, idx, targets) -> int:
-    """Distinct storages autograd saves for backward during the forward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx, targets)
-    return sum(seen.values())
-
-
-class _LiveTensors(TorchDispatchMode):
-    """Records every tensor an op creates; what is still alive after the forward is what it keeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
-
-
-def live_forward_bytes(model, idx, targets) -> int:
-    """Bytes of storages created by the forward and alive after it (activations kept by autograd,
-    by selective checkpointing's cache, and the returned logits and loss).
-
-    Saved-tensor hooks do not see what selective checkpointing caches, so this second measure
-    is used for that policy. Inputs are cloned inside, so ids and targets count as in the hooks.
-    """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    mode = _LiveTensors()
-    with mode:
-        result = model(idx.clone(), targets.clone())
-    seen = {}
-    for ref in mode.refs:
-        t = ref()
-        if t is not None and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    del result
-    return sum(seen.values())
-
-
-def _predicted(dtype: str, policy: str, kinds) -> int:
-    estimate = estimate_memory(_ACT_SHAPE, dtype=dtype, micro_batch=_ACT_BATCH, checkpointing=policy)
-    return sum(x.nbytes for x in estimate.lines if x.kind in kinds)
-
-
-# (dtype, policy, measured by hooks, measured live) at this size, recorded 2026-11-29 on CPU
-# (torch 2.13). bf16 LayerNorm statistics are bf16 on CPU (fp32 on CUDA, which the formula
-# assumes); that and the scalar loss are the differences.
-@pytest.mark.parametrize("dtype,policy", [
-    ("bf16", "none"), ("fp32", "none"), ("bf16", "every"), ("bf16", "every_k:2"), ("bf16", "selective"),
-    ("fp32", "selective"),
-])
-def test_activation_formula_matches_measured(dtype, policy):
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    name, _, k = policy.partition(":")
-    model = _act_model(torch_dtype, None if name == "none" else name, int(k or 1))
-    idx, targets = _batch()
-    stored = _predicted(dtype, policy, SAVED_KINDS)
-    live = live_forward_bytes(model, idx, targets)
-    assert abs(live - (stored + _predicted(dtype, policy, ("logits",)))) <= 0.03 * live, (live, stored)
-    if name != "selective":  # selective checkpointing's cache is invisible to saved-tensor hooks
-        measured = saved_tensor_bytes(model, idx, targets)
-        assert abs(measured - stored) <= 0.03 * measured, (measured, stored)
-
-
-def test_activation_measured_exact_figures():
-    """Pin the measured numbers, so a change in the model or torch shows up here first."""
-    idx, targets = _batch()
-    measured = saved_tensor_bytes(_act_model(torch.bfloat16, None), idx, targets)
-    predicted = _predicted("bf16", "none", SAVED_KINDS)
-    assert measured == 1_924_612
-    assert predicted == 1_931_776  # +0.4%: LayerNorm statistics in fp32 (CUDA) instead of bf16 (CPU)
+# ----------------------------------------------------------------------------- GPT total on one rank
 
 
 def measure_total() -> tuple[int, int]:
@@ -456,200 +350,3 @@ def test_total_within_ten_percent(world_1):
     measured, predicted = world_1["total"]
     assert abs(predicted - measured) <= 0.10 * measured, (measured, predicted)
     assert abs(predicted - measured) <= 0.01 * measured  # in fact within 1% at this size
-
-
-# ----------------------------------------------------------------------------- formulas
-
-
-def test_gpt_activation_formula_by_hand():
-    # bf16, b=2, s=8, h=16, a=4, V=32, L=2: 16bsh*2 + LayerNorm stats 2*2*bs*4 + lse bas*4 per block.
-    shape = GPTShape(d_model=16, n_layers=2, n_heads=4, vocab=32, seq_len=8)
-    lines = {x.kind: x.nbytes for x in estimate_memory(shape, micro_batch=2).lines}
-    bs, bsh = 16, 256
-    assert lines["block_activations"] == 2 * (32 * bsh + 16 * bs + 4 * 4 * bs)
-    assert lines["head"] == 2 * bsh * 2 + 8 * bs + bs * 32 * 4
-    assert lines["logits"] == bs * 32 * 2
-    every = {x.kind: x.nbytes for x in estimate_memory(shape, micro_batch=2, checkpointing="every").lines}
-    assert every["block_activations"] == 2 * bsh * 2
-    assert every["recompute"] == 32 * bsh + 16 * bs + 4 * 4 * bs - bsh * 2
-
-
-def test_estimate_against_h200_measurements():
-    """docs/performance.md, run 3: GPT-1.3B, seq 2048, micro-batch 8, bf16 AdamW, buckets 5e8,
-    peak torch.cuda.max_memory_allocated on H200s. The estimate is within 3% of each (0.1-2.9%
-    below: allocator rounding and small temporaries are not counted; recommend_config keeps a
-    headroom for them)."""
-    shape = GPTShape.preset("gpt-1.3b")
-    measured = {(1, 0): 52.1, (1, 2): 52.1, (1, 3): 53.9, (2, 2): 44.8, (2, 3): 45.4}
-    for (world, stage), gib in measured.items():
-        # That code freed every ZeRO-3 unit at the end of its forward (no stage3_max_reuse_distance yet),
-        # and kept the whole bf16 replica at stages 0-2 on one rank (no one_rank_free_weights yet).
-        setup = Setup(world_size=world, stage=stage, micro_batch=8, stage3_max_reuse_distance=0,
-                      one_rank_free_weights=False)
-        estimate = estimate_memory(shape, setup)
-        peak = estimate.peak_accelerator / 2**30
-        if stage == 3:
-            # That code also kept a bf16 copy of each rank's shard beside the fp32 master; gathers
-            # now cast from the master, so today's estimate is lower by exactly that copy.
-            master = sum(x.nbytes for x in estimate.lines if x.item == "fp32 master weights")
-            peak += master / 2 / 2**30
-        assert 0.97 * gib <= peak <= gib, (world, stage, peak)
-
-
-
-def test_estimate_against_one_h200_memory_breakdown():
-    """docs/performance.md, "Memory breakdown at the peak": one H200, 2026-12-01,
-    benchmarks/memory_breakdown_gpu.py (the loop drops the logits, so the estimate's "bf16 logits
-    returned to the caller" line is left out). GPT-1.3B, micro-batch 8: ZeRO-1/2 50.59 GiB, ZeRO-3
-    48.34; GPT-6.7B, micro-batch 1, every block checkpointed, ZeRO-3: 101.38. Within 0.5% each.
-    ZeRO-1/2 then kept the whole bf16 replica (before zero_optimization.one_rank_free_weights)."""
-    gpt_6_7b = GPTShape(d_model=4096, n_layers=32, n_heads=32, vocab=50304, seq_len=2048)
-    kept = {"one_rank_free_weights": False}
-    measured = [(GPTShape.preset("gpt-1.3b"), {"stage": 1, "micro_batch": 8, **kept}, 50.59),
-                (GPTShape.preset("gpt-1.3b"), {"stage": 2, "micro_batch": 8, **kept}, 50.59),
-                (GPTShape.preset("gpt-1.3b"), {"stage": 3, "micro_batch": 8}, 48.34),
-                (gpt_6_7b, {"stage": 3, "micro_batch": 1, "checkpointing": "every"}, 101.38)]
-    for shape, options, gib in measured:
-        estimate = estimate_memory(shape, Setup(world_size=1, **options))
-        held_by_caller = sum(x.nbytes for x in estimate.lines if x.kind == "logits")
-        peak = (estimate.peak_accelerator - held_by_caller) / 2**30
-        assert abs(peak - gib) <= 0.005 * gib, (options, peak, gib)
-
-def test_stage_rules():
-    shape = GPTShape(d_model=64, n_layers=2, n_heads=4, vocab=100, seq_len=32)
-    n = model_info(shape).trainable_numel
-    fp32_stage0 = estimate_memory(shape, dtype="fp32", stage=0, world_size=4)
-    assert fp32_stage0.by_category()["parameters"] == 4 * n  # aliased with the master
-    assert "fp32 master weights" not in [x.item for x in fp32_stage0.lines]
-    bf16_stage1 = estimate_memory(shape, stage=1, world_size=4)
-    assert bf16_stage1.by_category()["parameters"] == 2 * n
-    sgd = estimate_memory(shape, optimizer="SGD")
-    assert [x.nbytes for x in sgd.lines if x.item.startswith("SGD")] == [0]
-    eight = estimate_memory(shape, optimizer="AdamW8bit", stage=2, world_size=2)
-    partition = sum(x.nbytes for x in eight.lines if x.kind == "grad_partition") // 4
-    assert partition % 256 == 0
-    assert [x.nbytes for x in eight.lines if x.item.startswith("AdamW8bit")] == [2 * partition + 8 * partition // 256
-                                                                                  + 2 * 1024]
-    offload = estimate_memory(shape, stage=2, world_size=2, offload_optimizer="cpu")
-    assert offload.total("accelerator", category="optimizer states") == 0
-    assert offload.total("cpu", category="optimizer states") == estimate_memory(
-        shape, stage=2, world_size=2).total("accelerator", category="optimizer states")
-
-
-# ----------------------------------------------------------------------------- (3) recommendations
-
-
-def _choice(chosen) -> tuple[int, str, str]:
-    """(stage, checkpointing, optimizer offload) of a Recommendation or a Candidate."""
-    setup = chosen.setup
-    return setup.stage, str(setup.checkpointing), setup.offload_optimizer
-
-
-def test_recommend_documented_order():
-    big = GPTShape.preset("gpt-1.3b")
-    assert _choice(recommend_config(big, "80GiB", world_size=8, micro_batch=8)) == (0, "none", "none")
-    # 40 GB: no stage fits without checkpointing (activations ~29 GiB + model states); the order
-    # tries every stage without checkpointing, then selective from stage 0 up.
-    tight = recommend_config(big, "40GB", world_size=8, micro_batch=8)
-    assert [_choice(c) for c in tight.tried] == [
-        (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
-        (0, "selective", "none"), (1, "selective", "none"),
-    ]
-    assert [c.fits for c in tight.tried] == [False] * 5 + [True] and tight.chosen is tight.tried[-1]
-    assert "Faster setups tried first" in tight.explanation()
-    # One rank cannot shard: a 1.3B model in 16 GB needs the optimizer in CPU memory (the
-    # stage only decides whether offload is allowed: 1 is the first that allows it).
-    assert _choice(recommend_config(big, "16GB", world_size=1, micro_batch=1)) == (1, "none", "cpu")
-    # The headroom: a setup fits when its peak is at most (1 - headroom) x the memory.
-    peak = estimate_memory(big, world_size=8, micro_batch=8).peak_accelerator
-    assert _choice(recommend_config(big, peak, world_size=8, micro_batch=8, headroom=0.0)) == (0, "none", "none")
-    assert _choice(recommend_config(big, peak, world_size=8, micro_batch=8)) != (0, "none", "none")
-    # A 70B-class model on one 80 GB GPU with one rank: nothing fits.
-    none = recommend_config(70_000_000_000, "80GB", activation_bytes=10**9)
-    assert none.chosen is None and "Nothing fits" in none.explanation()
-    with pytest.raises(EstimateError, match="headroom"):
-        recommend_config(big, "80GB", headroom=1.5)
-
-
-def test_recommend_respects_cpu_memory():
-    big = GPTShape.preset("gpt-1.3b")
-    # CPU offload needs ~21 GiB of host memory per rank here (master, gradients, Adam states);
-    # NVMe moves Adam's states to disk (partita keeps master and gradients in memory, ~9.8 GiB)
-    # and adds 4 state buffers of 1e8 fp32 elements.
-    rec = recommend_config(big, "16GB", world_size=1, micro_batch=1, cpu_memory="15GB", sub_group_size=10**8)
-    assert rec.setup is not None and rec.setup.offload_optimizer == "nvme"
-    assert [c.setup.offload_optimizer for c in rec.tried if not c.fits and c.setup.offload_optimizer == "cpu"]
-    assert recommend_config(big, "16GB", world_size=1, micro_batch=1, cpu_memory="10GB").chosen is None
-
-
-# ----------------------------------------------------------------------------- (4) inputs and CLI
-
-
-def test_parse_bytes():
-    assert parse_bytes("141GB") == 141 * 10**9
-    assert parse_bytes("80GiB") == 80 * 2**30
-    assert parse_bytes("1000") == 1000
-    with pytest.raises(EstimateError, match="141XB"):
-        parse_bytes("141XB")
-
-
-def test_setup_errors():
-    with pytest.raises(EstimateError, match="every_x"):
-        Setup(checkpointing="every_x")
-    with pytest.raises(EstimateError, match="every_k:2"):
-        Setup(checkpointing="every_k")
-    with pytest.raises(EstimateError, match="world_size must be an integer >= 1, got -2"):
-        Setup(world_size=-2)
-    with pytest.raises(EstimateError, match="stage 1, 2 or 3"):
-        Setup(stage=0, offload_optimizer="cpu")
-    with pytest.raises(EstimateError, match="divisible"):
-        GPTShape(d_model=10, n_layers=1, n_heads=3, vocab=5, seq_len=4)
-    with pytest.raises(EstimateError, match="longer than"):
-        estimate_memory(GPTShape(d_model=8, n_layers=1, n_heads=2, vocab=5, seq_len=4), seq_len=8)
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from partita.launcher.cli import main
-
-    code = main(["estimate", *argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_cli_table_and_json(capsys, tmp_path):
-    code, out, _ = _cli(capsys, "--model", "gpt", "--d-model", "64", "--n-layers", "2", "--n-heads", "4",
-                        "--vocab", "100", "--seq-len", "32", "--stage", "2", "--world-size", "2")
-    assert code == 0
-    assert "ZeRO stage 2, world size 2" in out and "fp32 master weights" in out and "peak" in out
-    code, out, _ = _cli(capsys, "--model", "tiny", "--json")
-    data = json.loads(out)
-    assert code == 0 and data["peak_accelerator_bytes"] == estimate_memory(GPTShape.preset("tiny")).peak_accelerator
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
-                                  "zero_optimization": {"stage": 3}}))
-    code, out, _ = _cli(capsys, "--model", "tiny", "--config", str(config), "--world-size", "2")
-    assert code == 0 and "bf16, ZeRO stage 3, world size 2, micro-batch 4" in out
-    code, out, _ = _cli(capsys, "--model", "tiny", "--config", str(config), "--stage", "1")
-    assert code == 0 and "ZeRO stage 1" in out  # a flag overrides the config
-    code, out, _ = _cli(capsys, "--params", "7e9", "--stage", "3", "--world-size", "8", "--gpu-memory", "141GB",
-                        "--activation-bytes", "20GB")
-    assert code == 0 and "Recommended: ZeRO stage" in out
-    code, out, _ = _cli(capsys, "--params", "1e6")
-    assert code == 0 and "unknown" in out
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "tiny", "--checkpointing", "every_x"], "checkpointing 'every_x' is not one of"),
-    (["--model", "tiny", "--world-size", "-2"], "world_size must be an integer >= 1, got -2"),
-    (["--model", "tiny", "--micro-batch", "0"], "micro_batch must be an integer >= 1"),
-    (["--model", "tiny", "--gpu-memory", "141XB"], "gpu memory '141XB' is not a size"),
-    (["--model", "gpt", "--d-model", "64"], "--model gpt needs --n-layers, --n-heads, --vocab, --seq-len"),
-    (["--params", "7e9", "--d-model", "64"], "--d-model describe a GPT"),
-    (["--params", "lots"], "--params 'lots' is not a number"),
-    (["--model", "tiny", "--stage", "0", "--offload-optimizer", "cpu"], "needs ZeRO stage 1, 2 or 3"),
-    (["--model", "tiny", "--config", "/nonexistent/ds.json"], "nonexistent"),
-])
-def test_cli_errors(capsys, argv, message):
-    code, _, err = _cli(capsys, *argv)
-    assert code == 2
-    assert err.startswith("partita estimate: error: ") and message in err, err
