@@ -158,9 +158,13 @@ def test_killed_node_agent_job_reforms_on_the_survivor_and_matches_torch(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # last_call_timeout: how long a rendezvous with fewer than 2 nodes waits for more (the first
     # formation waits for the second agent; the re-formation after the kill for a replacement).
+    # keep_alive_*: the killed agent counts as gone once it missed 5 s of 1 s heartbeats (torch's
+    # default, 3 x 5 s, had the survivor wait ~12 s longer to re-form; a live agent's heartbeat
+    # thread is never 5 s late, even on a loaded machine).
     cmd = [sys.executable, "-m", "partita.launcher.cli", "run", "--nnodes", "1:2", "--nproc", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-           "--rdzv-conf", "last_call_timeout=8,join_timeout=120", "--max-restarts", "2", str(Path(__file__).resolve()),
+           "--rdzv-conf", "last_call_timeout=8,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=5",
+           "--max-restarts", "2", str(Path(__file__).resolve()),
            "--save-dir", str(files["ckpt"]), "--out", str(files["out.safetensors"]), "--ready", str(files["ready"]),
            "--killed", str(files["killed"])]
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
