@@ -145,6 +145,18 @@ def versions_with_bnb() -> dict:
         return {**versions(), "bitsandbytes": "not installed"}
 
 
+def _parse_start_rungs(items: list[str], settings: list[Setting], n_rungs: int) -> dict[str, int]:
+    names = {s.name for s in settings}
+    out = {}
+    for item in items:
+        name, sep, rung = item.partition("=")
+        if not sep or name not in names or not rung.isdigit() or int(rung) >= n_rungs:
+            raise SystemExit(f"--start-rung {item!r}: expected SETTING=RUNG with SETTING one of the chosen settings "
+                             f"({', '.join(sorted(names))}) and RUNG in 0..{n_rungs - 1}")
+        out[name] = int(rung)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="all", help="comma-separated setting names, or all")
@@ -157,6 +169,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the markdown table at the end")
     parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                         help="print the table of saved runs (several: their settings in order, one table)")
+    parser.add_argument("--start-rung", action="append", default=[], metavar="SETTING=RUNG",
+                        help="start SETTING's search at ladder rung RUNG instead of the estimator's prediction "
+                             "(to resume a search whose earlier run ran out of trials)")
     parser.add_argument("--plan", action="store_true", help="print the predicted start rung and time per setting")
     parser.add_argument("--headroom", type=float, default=None,
                         help="fraction of each tier kept free when predicting (default 0.03; --tiny: 0)")
@@ -224,9 +239,11 @@ def main(argv: list[str]) -> int:
     vocab, seq = (512, 64) if args.tiny else (VOCAB, SEQ_LEN)
     ds_state = {"first": True}  # DeepSpeed JIT-builds its CPU Adam in the first DeepSpeed trial only
 
+    start_overrides = _parse_start_rungs(args.start_rung, settings, len(rungs))
+
     def plan(setting: Setting) -> dict:
         index = predictor.largest(setting)
-        start = 0 if index is None else index
+        start = start_overrides.get(setting.name, 0 if index is None else index)
         acc, cpu, nvme = predictor.needs(setting, start)
         def cost(i: int, first: bool) -> dict:
             return predict_trial_s(setting, rung_dict(rungs, i, vocab=vocab, seq_len=seq)["params"],
@@ -247,7 +264,9 @@ def main(argv: list[str]) -> int:
     if args.plan:
         for s in order:
             p = plans[s.name]
-            size = "none fits" if p["rung"] is None else f"{format_params(p['params'])} ({p['d_model']}x{p['n_layers']})"
+            first = rung_dict(rungs, p["start_rung"], vocab=vocab, seq_len=seq)
+            size = ("none fits" if p["rung"] is None and s.name not in start_overrides
+                    else f"{format_params(first['params'])} ({first['d_model']}x{first['n_layers']})")
             t = p["trial_s"]
             unit, scale = ("MiB", 1024) if args.tiny else ("GiB", 1)
             needs = "/".join(f"{v * scale:.1f}" for v in p["needs_gib"])
