@@ -47,7 +47,7 @@ final LayerNorm input and output (``2bsh``) + stats; the fp32 log-probabilities 
 backward; a caller that keeps only the loss frees them, and the peak is that much lower). At the start of backward the gradients of the log-probabilities and of the
 fp32 logits (``2 x bsV x 4``) exist together with everything above.
 
-Validated against saved-tensor bytes measured on CPU in tests/test_estimate.py.
+Validated against saved-tensor bytes measured on CPU in tests/test_estimate_activations.py.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ __all__ = ["CHECKPOINTING_ORDER", "DEFAULT_HEADROOM", "OFFLOAD_TIERS", "Candidat
 OFFLOAD_TIERS: tuple[str, ...] = ("none", "cpu")
 DEFAULT_HEADROOM = 0.05
 """Fraction of accelerator memory a recommendation leaves free. The estimate counts tensors
-(it is within 3% of torch.cuda.max_memory_allocated on H200s, see tests/test_estimate.py);
+(it is within 3% of torch.cuda.max_memory_allocated on H200s, see tests/test_estimate_formulas.py);
 the CUDA context, the caching allocator's rounding and fragmentation come on top."""
 NVME_TIERS: tuple[str, ...] = ("nvme",)
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = (Checkpointing("none"), Checkpointing("selective"), Checkpointing("every"))
