@@ -10,7 +10,9 @@ pinned memory partita adds is exactly ``total_bytes`` whatever the workers do. A
 finds every buffer taken waits (a ``threading.Condition``) instead of allocating.
 
 Each buffer starts on a 4096-byte boundary (we over-allocate one page and slice), so NVMe
-swaps through these buffers can use O_DIRECT (see ``partita/offload/nvme.py``).
+swaps through these buffers can use O_DIRECT (see ``partita/offload/nvme.py``). Buffers are
+page-locked at their exact size (``partita/offload/page_locked.py``): torch's pinned allocator
+would round a power-of-two buffer plus its alignment page up to twice its size.
 """
 
 from __future__ import annotations
@@ -22,21 +24,25 @@ from collections.abc import Iterator
 import torch
 
 from partita.offload.errors import BufferPoolError, PoolExhaustedError
+from partita.offload.page_locked import PageLockedHost
 
 # O_DIRECT needs the memory address to be aligned to the logical block size; 4096 covers every
 # NVMe / ext4 / xfs setup and is what partita's swap layer checks for.
 BUFFER_ALIGNMENT = 4096
 
 
-def _aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """A 1-D tensor of ``numel`` elements whose first byte is 4096-byte aligned."""
+def _aligned_empty(numel: int, dtype: torch.dtype, page_locked: PageLockedHost) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements whose first byte is 4096-byte aligned, page-locked
+    when ``page_locked`` can."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    raw = torch.empty(nbytes + BUFFER_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + BUFFER_ALIGNMENT, dtype=torch.uint8)
     shift = (-raw.data_ptr()) % BUFFER_ALIGNMENT
     # torch's CPU allocators return at least 64-byte aligned memory, so `shift` is a multiple of
     # every element size and the dtype view below is legal.
-    return raw[shift : shift + nbytes].view(dtype)
+    buffer = raw[shift : shift + nbytes].view(dtype)
+    page_locked.register(buffer)
+    return buffer
 
 
 class PinnedBufferPool:
@@ -65,10 +71,9 @@ class PinnedBufferPool:
         self.name = name
         self.numel = numel
         self.dtype = dtype
-        self.pinned = bool(pin) and torch.cuda.is_available()
-        self._buffers: list[torch.Tensor] = [
-            _aligned_empty(numel, dtype, pin=self.pinned) for _ in range(count)
-        ]
+        self._page_locked = PageLockedHost(pin)
+        self._buffers: list[torch.Tensor] = [_aligned_empty(numel, dtype, self._page_locked) for _ in range(count)]
+        self.pinned = self._page_locked.enabled and all(self._page_locked.holds(b) for b in self._buffers)
         # Identify a released tensor by its storage: views of a buffer share it, other tensors don't.
         self._index_by_storage = {
             buf.untyped_storage().data_ptr(): i for i, buf in enumerate(self._buffers)
@@ -178,6 +183,7 @@ class PinnedBufferPool:
             self._free.clear()
             self._buffers = []
             self._cond.notify_all()
+        self._page_locked.close()
 
     def __enter__(self) -> PinnedBufferPool:
         return self

@@ -49,6 +49,7 @@ import torch
 
 from partita.config.base import ConfigError
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT, PinnedBufferPool
+from partita.offload.page_locked import PageLockedHost
 from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.nvme import NvmeSwapStore
 
@@ -260,16 +261,22 @@ class HostShards(ShardStorage):
         super().__init__(groups, device)
         self._dtype()  # one dtype: a gather's staging tensor holds pieces of several groups
         cuda = device.type == "cuda"
-        self.pinned = bool(pin_memory) and cuda and torch.cuda.is_available()
+        # Exact-size page-locked shards (partita/offload/page_locked.py: torch's pinned allocator
+        # would round each up to a power of two).
+        self.page_locked = PageLockedHost(bool(pin_memory) and cuda)
         self.stream = torch.cuda.Stream(device) if cuda else None
         for group in self.groups:
-            host = torch.empty(group.master.numel(), dtype=group.model_dtype, pin_memory=self.pinned)
+            host = self.page_locked.empty(group.master.numel(), group.model_dtype)
             _copy_into_host(host, group.master)
             self.shards.append(host)
+        self.pinned = self.page_locked.enabled and all(self.page_locked.holds(s) for s in self.shards)
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self.shards) if self.pinned else 0
+        return self.page_locked.nbytes
+
+    def close(self) -> None:
+        self.page_locked.close()
 
     def fetch(self, pieces: Sequence[ShardPiece], numel: int) -> torch.Tensor:
         local = torch.empty(numel, dtype=self.shards[pieces[0].group].dtype, device=self.device)
@@ -311,7 +318,8 @@ class NvmeShards(ShardStorage):
         super().__init__(groups, device)
         dtype = self._dtype()
         cuda = device.type == "cuda"
-        self.pinned = bool(offload.pin_memory) and cuda and torch.cuda.is_available()
+        self.page_locked = PageLockedHost(bool(offload.pin_memory) and cuda)  # for the resident shards
+        self.pinned = self.page_locked.enabled
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.buffer_size = int(offload.buffer_size)
         self.max_in_cpu = int(offload.max_in_cpu)
@@ -332,7 +340,7 @@ class NvmeShards(ShardStorage):
         self._disk = [p for p in pieces if (p.group, p.offset) in self._keys]
         self._check_buffer_size(units)
         for numel in resident:
-            self.shards.append(torch.empty(numel, dtype=dtype, pin_memory=self.pinned))
+            self.shards.append(self.page_locked.empty(numel, dtype))
         self._resident = [p for p in pieces if (p.group, p.offset) in self._host_offset]
         self.store = NvmeSwapStore(
             offload.nvme_path, aio=aio, buffer_count=offload.buffer_count, tag=f"param{next(_STORE_IDS)}",
@@ -499,6 +507,7 @@ class NvmeShards(ShardStorage):
     def close(self) -> None:
         self._drain()
         self._finalizer()
+        self.page_locked.close()
 
 
 def build_shard_storage(

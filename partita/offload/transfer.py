@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from partita.offload.buffer_pool import PinnedBufferPool
+from partita.offload.page_locked import PageLockedHost
 
 # Bytes per staging buffer: large enough for full PCIe bandwidth (transfers of tens of MB
 # run at the link's rate), small enough that the pool stays a few hundred MB at most.
@@ -70,9 +71,9 @@ class HostTransfer:
         self._worker.start()
         self.bytes_down = 0
         self.bytes_up = 0
-        # Host tensors page-locked in place (cudaHostRegister), held until close(): freeing
-        # registered memory before unregistering it would leave the driver a stale range.
-        self._registered: dict[int, torch.Tensor] = {}
+        # Host tensors page-locked at their exact size (the master in place, the gradient and
+        # upload buffers), held until close() (partita/offload/page_locked.py says why).
+        self.page_locked = PageLockedHost(self.pool.pinned)
 
     # ------------------------------------------------------------------ worker
 
@@ -190,23 +191,8 @@ class HostTransfer:
     def pin_in_place(self, tensor: torch.Tensor) -> bool:
         """Page-lock ``tensor``'s memory where it is (no copy, no rounding of its size), so the
         copy engine reads it directly; False where that is not possible (no CUDA, pinning off,
-        the driver refused). The tensor is kept alive until :meth:`close` unregisters it.
-
-        Why not ``torch.empty(..., pin_memory=True)``: torch's pinned allocator rounds each
-        request up to a power of two, which for a 5.3 GB master takes 8 GB of locked memory.
-        """
-        if not (self._cuda and self.pool.pinned) or tensor.numel() == 0 or not tensor.is_contiguous():
-            return False
-        nbytes = tensor.numel() * tensor.element_size()
-        if torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0) != 0:
-            return False
-        self._registered[tensor.data_ptr()] = tensor
-        return True
-
-    def _in_registered(self, source: torch.Tensor) -> bool:
-        start = source.data_ptr()
-        end = start + source.numel() * source.element_size()
-        return any(base <= start and end <= base + t.numel() * t.element_size() for base, t in self._registered.items())
+        the driver refused). The tensor is kept alive until :meth:`close` unregisters it."""
+        return self.page_locked.register(tensor)
 
     def upload(self, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``source`` (host, fp32) cast to ``dtype`` on the device; returns before the copy ends.
@@ -215,12 +201,12 @@ class HostTransfer:
         data; staging buffers go back to the pool when their copy has finished.
         """
         out = torch.empty(source.numel(), dtype=dtype, device=self.device)
-        if source.dtype == dtype and (source.is_pinned() or not self._cuda):
+        if source.dtype == dtype and (not self._cuda or self.page_locked.holds(source) or source.is_pinned()):
             # Already cast (the delayed update's upload copy): no staging, one asynchronous copy.
             out.copy_(source, non_blocking=self._cuda)
             self.bytes_up += source.numel() * out.element_size()
             return out
-        if self._cuda and source.dtype == torch.float32 and self._in_registered(source):
+        if self._cuda and source.dtype == torch.float32 and self.page_locked.holds(source):
             # Page-locked fp32 master: copy it as it is and cast on the device, a staging
             # buffer's worth at a time (the fp32 temporaries are reused by the allocator).
             step = self.pool.buffer_bytes // 4
@@ -269,8 +255,9 @@ class HostTransfer:
 
     def empty_host(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A host tensor the copy engine can read or write directly (pinned when the staging
-        pool is): the offloaded gradient partition, the delayed update's upload copy."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.pool.pinned)
+        pool is), of exactly ``numel`` elements: the offloaded gradient partition, the delayed
+        update's upload copy."""
+        return self.page_locked.empty(numel, dtype)
 
     def event(self) -> torch.cuda.Event | None:
         """An event recorded on the current stream (None without CUDA)."""
@@ -280,9 +267,5 @@ class HostTransfer:
         if self._worker.is_alive():
             self._tasks.put(None)
             self._worker.join()
-        if self._registered:
-            torch.cuda.synchronize(self.device)  # no copy may still read a range being unregistered
-            for base in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(base)
-            self._registered.clear()
+        self.page_locked.close()
         self.pool.close()
