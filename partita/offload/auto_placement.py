@@ -26,7 +26,7 @@ from partita.config.base import ConfigError
 from partita.offload.capacity import TierCapacities, measure_capacities
 from partita.offload.config import OffloadOptimizerConfig
 
-__all__ = ["normalized_offload", "resolve_tiered_placement"]
+__all__ = ["client_optimizer_name", "min_over_ranks", "model_info_for", "normalized_offload", "resolve_tiered_placement"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,12 @@ def normalized_offload(offload: OffloadOptimizerConfig, fractions: tuple[float, 
     return OffloadOptimizerConfig.model_validate({**raw, "device": "auto", "tiers": tiers})
 
 
-def _min_over_ranks(capacities: TierCapacities, device: torch.device) -> TierCapacities:
+def client_optimizer_name(optimizer: Any) -> str:
+    """The estimator's name for the optimizer passed to ``initialize`` (its per-element state)."""
+    return _CLIENT_OPTIMIZERS.get(type(optimizer), "AdamW")
+
+
+def min_over_ranks(capacities: TierCapacities, device: torch.device) -> TierCapacities:
     """Every rank decides from the smallest capacity of each tier, so all build the same groups."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return capacities
@@ -71,7 +76,7 @@ def _min_over_ranks(capacities: TierCapacities, device: torch.device) -> TierCap
     return TierCapacities(a, c, n, sources=sources, headroom=capacities.headroom)
 
 
-def _model_info(model: nn.Module, param_groups: list[dict], activation_gib: float | None):
+def model_info_for(model: nn.Module, param_groups: list[dict], activation_gib: float | None):
     from partita.estimate.inputs import GPTShape
     from partita.estimate.model_info import model_info
     from partita.models.gpt import GPT
@@ -121,11 +126,11 @@ def resolve_tiered_placement(
                 device, nvme_path=offload.nvme_path, headroom=tiers.headroom,
                 overrides_gib=(given.accelerator, given.cpu, given.nvme),
             )
-        capacities = _min_over_ranks(capacities, device)
+        capacities = min_over_ranks(capacities, device)
         extra: dict[str, Any] = {}
         if cfg.optimizer is None and client_optimizer is not None:
-            extra["optimizer"] = _CLIENT_OPTIMIZERS.get(type(client_optimizer), "AdamW")
-        info = _model_info(model, param_groups, tiers.activation_gib)
+            extra["optimizer"] = client_optimizer_name(client_optimizer)
+        info = model_info_for(model, param_groups, tiers.activation_gib)
         if info.gpt is None:
             extra["activation_bytes"] = int((tiers.activation_gib or 0.0) * 2**30)
             if tiers.activation_gib is None:

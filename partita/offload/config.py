@@ -109,6 +109,16 @@ class OffloadOptimizerConfig(StrictSection):
         ),
     )
 
+    check_host_memory: bool = Field(
+        True,
+        description=(
+            "partita extension: at initialize, refuse an offload whose host buffers (estimated by partita "
+            "estimate, without the process's own few GiB) exceed the host memory available to this rank, "
+            "instead of running into the kernel's OOM killer (partita/offload/host_check.py). Applies to "
+            "device \"cpu\"/\"nvme\" and to offload_param; \"auto\" plans its own fit."
+        ),
+    )
+
     @property
     def enabled(self) -> bool:
         return self.device != "none"
