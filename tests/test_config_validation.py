@@ -321,6 +321,15 @@ def test_offload_sections_load_with_deepspeed_defaults() -> None:
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}}, "ratio"),
         ({"aio": {"block_size": 1000}}, "aio.block_size must be a multiple of 4096"),
         ({"aio": {"use_gds": True}}, "GPUDirect Storage is not available"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "gather_from_master": True},
+                                "offload_optimizer": {"device": "cpu"}}},
+         'gather_from_master reads the parameters from the fp32 master in host memory and needs '
+         'offload_param.device "cpu" (got "nvme") and offload_optimizer.device "cpu" or "auto" (got "cpu")'),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "gather_from_master": True}}},
+         'offload_optimizer.device "cpu" or "auto" (got "none"); set both, or remove gather_from_master'),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "gather_from_master": True},
+                                "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}},
+         "gather_from_master cannot be combined with offload_optimizer.delayed_param_update"),
     ],
 )
 def test_bad_offload_settings_are_explained(config: dict, expected: str) -> None:

@@ -214,6 +214,10 @@ _SHARD_CASES = [
                              "aio": {"block_size": 4096}}),
     (3, "fp32", "SGD", 1, {"offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 1500, "max_in_cpu": 0},
                            "offload_optimizer": {"device": "cpu", "buffer_count": 2, "ratio": 0.5}, "aio": {"block_size": 8192}}),
+    # gather_from_master: the host master is the only copy; half of it (ratio 0.5) stays on the device,
+    # and that half keeps its bf16 host shard.
+    (3, "bf16", "AdamW", 1, {"offload_param": {"device": "cpu", "gather_from_master": True},
+                             "offload_optimizer": {"device": "cpu", "buffer_count": 2, "ratio": 0.5}}),
 ]
 
 
@@ -296,7 +300,7 @@ def test_stage3_shard_bytes_by_device_exact(world_2):
         results = rank["states"][len(_CASES) + len(_OFFLOAD_CASES) :]
         assert len(results) == len(_SHARD_CASES)
         _check_exact(results)
-        host_master, cpu_bf16, cpu_fp32, nvme_bf16, nvme_fp32 = [r["measured"]["shards"] for r in results]
+        host_master, cpu_bf16, cpu_fp32, nvme_bf16, nvme_fp32, from_master = [r["measured"]["shards"] for r in results]
         assert host_master == {"accelerator": 4 * share, "cpu": 0, "nvme": 0}
         assert cpu_bf16 == {"accelerator": 0, "cpu": 2 * share, "nvme": 0}
         assert cpu_fp32 == {"accelerator": 0, "cpu": 4 * share, "nvme": 0}
@@ -306,6 +310,7 @@ def test_stage3_shard_bytes_by_device_exact(world_2):
         # fp32, max_in_cpu 0: every non-persistent shard in its own 8192-byte-block file.
         assert nvme_fp32 == {"accelerator": 0, "cpu": 0, "nvme": sum(-(-4 * n // 8192) * 8192 for n in swapped)}
         assert results[4]["measured"]["pinned"] == 2 * (64 * 2**20 + 4096) + 3 * (4 * 1500 + 4096)
+        assert 0 < from_master["cpu"] < 2 * share and from_master["accelerator"] == from_master["nvme"] == 0
 
 
 # ----------------------------------------------------------------------------- GPT total on one rank

@@ -130,6 +130,9 @@ def _runs(nvme_path: str) -> list[tuple[str, dict]]:
              ("blocks", _z3(2, param="nvme", optimizer=True, nvme_path=nvme_path, precision="bf16"))]
     # TiedNet: the parity model of tests/test_zero_parity.py (one unit: the root).
     runs += [("tied", _z3(2, param="nvme", optimizer=True, nvme_path=nvme_path))]
+    # gather_from_master: no 16-bit host copy, gathers read (and cast) the host master itself.
+    runs += [("blocks", _z3(2, param="cpu", optimizer=True, precision="bf16", gather_from_master=True)),
+             ("blocks", _z3(2, param="cpu", optimizer=True, gather_from_master=True))]
     return runs
 
 
@@ -211,6 +214,13 @@ def test_offload_param_trains_bit_identically_to_stage3(world_size: int, request
         tied = next(blocks)
         _check_against_reference(tied, tol=1e-5)
         assert tied["swap"]["removed"]
+        for result, want in ((next(blocks), bf16_oracle), (next(blocks), oracle)):  # gather_from_master
+            for name, value in want["params"].items():
+                assert torch.equal(result["params"][name], value), name
+            assert result["norms"] == want["norms"] and result["freed"]
+            assert result["shards_alias_master"] == [True, True]
+            assert result["nbytes"] == {"accelerator": 0, "cpu": 0, "nvme": 0}  # the master's bytes are the optimizer's
+        assert next(blocks, None) is None
 
 
     assert os.listdir(paths["nvme"]) == []  # every swap directory removed at close

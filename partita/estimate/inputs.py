@@ -184,6 +184,7 @@ class Setup:
     offload_ratio: float = 1.0
     offload_tiers: tuple[float, float, float] | None = None  # device auto: (accelerator, cpu, nvme) shares
     offload_param: str = "none"
+    param_gather_from_master: bool = False  # offload_param.gather_from_master: no 16-bit host copy
     optimizer_buffer_count: int = 4
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
@@ -352,6 +353,7 @@ class Setup:
             "param_buffer_count": zero.offload_param.buffer_count,
             "param_buffer_size": zero.offload_param.buffer_size,
             "param_max_in_cpu": zero.offload_param.max_in_cpu,
+            "param_gather_from_master": zero.offload_param.gather_from_master,
             "communication_dtype": cfg.communication_data_type,
             "grad_accum_dtype": cfg.data_types.grad_accum_dtype,
         }

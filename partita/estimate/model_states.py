@@ -136,8 +136,10 @@ def _stage3_shard_lines(groups: list[ZeroGroup], setup: Setup) -> list[Line]:
     """Where stage 3 keeps each rank's parameter shards (``partita.offload.param_offload``)."""
     d = setup.dtype_bytes
     if setup.offload_param == "cpu":
+        # gather_from_master: a group whose fp32 master is in host memory is gathered from it (HostShards).
+        kept = [g for g in groups if not (setup.param_gather_from_master and g.offloaded)]
         return [Line("parameters", f"{setup.dtype} parameter shards (offload_param cpu)", "cpu",
-                     d * sum(g.partition_numel for g in groups), note="page-locked with pin_memory on a GPU")]
+                     d * sum(g.partition_numel for g in kept), note="page-locked with pin_memory on a GPU")]
     if setup.offload_param == "nvme":
         # NvmeShards: non-persistent parameters' shards, a prefix within max_in_cpu in memory.
         pieces = [spec.shard_numel for g in groups for p, spec in zip(g.params, g.layout.specs)

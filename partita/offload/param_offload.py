@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 # Elements per device->host copy when a device master is cast into host shards: bounds the
 # low-precision temporary the cast makes on the device.
 _HOST_COPY_CHUNK = 1 << 24
+_CAST_CHUNK = 1 << 24  # fp32 elements per device temporary of a gather from a host master (64 MiB)
 _STORE_IDS = itertools.count()  # one swap directory per gatherer in a process (tags must differ)
 
 LOCATIONS = ("accelerator", "cpu", "nvme")
@@ -142,6 +143,11 @@ class ShardStorage(abc.ABC):
 
     def close(self) -> None:
         """Release files and buffers (a no-op for in-memory shards)."""
+
+    def wait_reads(self) -> None:
+        """Before the optimizer rewrites the masters: no gather's copy may still read one (a
+        storage gathering from the masters, HostShards with ``gather_from_master``)."""
+        self._wait_copies()
 
     # ---- helpers shared by the offloaded storages -------------------------------------------
     def _mark_copies(self) -> None:
@@ -253,37 +259,57 @@ class DeviceShards(ShardStorage):
 
 
 class HostShards(ShardStorage):
-    """``offload_param`` "cpu": whole low-precision partitions in (pinned) host memory."""
+    """``offload_param`` "cpu": whole low-precision partitions in (pinned) host memory.
+
+    With ``gather_from_master``, a group whose fp32 master is itself in host memory keeps no
+    copy: its "shard" is the master (``shards[g] is group.master``), a gather copies the fp32
+    pieces up and casts them on the accelerator, and the optimizer waits for those copies
+    (:meth:`wait_reads`) before it rewrites the master.
+    """
 
     location = "cpu"
 
-    def __init__(self, groups: Sequence[ShardedParamGroup], device: torch.device, *, pin_memory: bool) -> None:
+    def __init__(self, groups: Sequence[ShardedParamGroup], device: torch.device, *, pin_memory: bool,
+                 gather_from_master: bool = False) -> None:
         super().__init__(groups, device)
-        self._dtype()  # one dtype: a gather's staging tensor holds pieces of several groups
+        self.model_dtype = self._dtype()  # one dtype: a gather's staging tensor holds pieces of several groups
         cuda = device.type == "cuda"
         # Exact-size page-locked shards (partita/offload/page_locked.py: torch's pinned allocator
         # would round each up to a power of two).
         self.page_locked = PageLockedHost(bool(pin_memory) and cuda)
         self.stream = torch.cuda.Stream(device) if cuda else None
         for group in self.groups:
+            if gather_from_master and group.offloaded:  # its master lives in host memory
+                self.shards.append(group.master)
+                continue
             host = self.page_locked.empty(group.master.numel(), group.model_dtype)
             _copy_into_host(host, group.master)
             self.shards.append(host)
-        self.pinned = self.page_locked.enabled and all(self.page_locked.holds(s) for s in self.shards)
+        copies = [s for s, g in zip(self.shards, self.groups) if s is not g.master]
+        self.pinned = self.page_locked.enabled and all(self.page_locked.holds(s) for s in copies)
 
     @property
     def pinned_bytes(self) -> int:
         return self.page_locked.nbytes
 
+    def nbytes(self) -> dict[str, int]:
+        out = dict.fromkeys(LOCATIONS, 0)
+        out["cpu"] = sum(s.numel() * s.element_size() for s, g in zip(self.shards, self.groups) if s is not g.master)
+        return out
+
     def close(self) -> None:
         self.page_locked.close()
 
     def fetch(self, pieces: Sequence[ShardPiece], numel: int) -> torch.Tensor:
-        local = torch.empty(numel, dtype=self.shards[pieces[0].group].dtype, device=self.device)
+        local = torch.empty(numel, dtype=self.model_dtype, device=self.device)
         column = 0
         for run in _runs(pieces):
             source = self.shards[run.group][run.offset : run.offset + run.numel]
-            local[column : column + run.numel].copy_(source, non_blocking=self.pinned)
+            target = local[column : column + run.numel]
+            if source.dtype != target.dtype and self.device.type == "cuda":
+                _copy_up_then_cast(target, source)  # the fp32 master: cast on the accelerator
+            else:
+                target.copy_(source, non_blocking=self.stream is not None)
             column += run.numel
         self._mark_copies()
         return local
@@ -292,7 +318,18 @@ class HostShards(ShardStorage):
     def refresh(self) -> None:
         self._wait_copies()  # a copy still reading the old values must finish first
         for host, group in zip(self.shards, self.groups):
-            _copy_into_host(host, group.master)
+            if host is not group.master:  # gathers read the master itself
+                _copy_into_host(host, group.master)
+
+
+def _copy_up_then_cast(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[:] = source`` for an fp32 host ``source`` and a narrower ``target`` on the
+    accelerator: fp32 chunks copied up (asynchronously from page-locked memory), cast there."""
+    for lo in range(0, source.numel(), _CAST_CHUNK):
+        hi = min(lo + _CAST_CHUNK, source.numel())
+        wide = torch.empty(hi - lo, dtype=source.dtype, device=target.device)
+        wide.copy_(source[lo:hi], non_blocking=True)
+        target[lo:hi].copy_(wide)
 
 
 def _close_nvme(store: NvmeSwapStore, pool: PinnedBufferPool | None) -> None:
@@ -522,5 +559,5 @@ def build_shard_storage(
     if offload is None or not offload.enabled:
         return DeviceShards(groups, device)
     if offload.device == "cpu":
-        return HostShards(groups, device, pin_memory=offload.pin_memory)
+        return HostShards(groups, device, pin_memory=offload.pin_memory, gather_from_master=offload.gather_from_master)
     return NvmeShards(groups, device, offload=offload, aio=aio or AioConfig(), units=units)

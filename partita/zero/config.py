@@ -173,6 +173,22 @@ class ZeroConfig(StrictSection):
                 "offload_param needs ZeRO stage 3 (only stage 3 shards parameters); set "
                 "zero_optimization.stage to 3, or offload_param.device to \"none\"",
             )
+        if self.offload_param.gather_from_master:
+            host_master = self.offload_optimizer.device in ("cpu", "auto")
+            if self.offload_param.device != "cpu" or not host_master:
+                raise PydanticCustomError(
+                    "offload_gather_from_master",
+                    "offload_param.gather_from_master reads the parameters from the fp32 master in host memory and "
+                    "needs offload_param.device \"cpu\" (got \"{param}\") and offload_optimizer.device \"cpu\" or "
+                    "\"auto\" (got \"{optimizer}\"); set both, or remove gather_from_master",
+                    {"param": self.offload_param.device, "optimizer": self.offload_optimizer.device},
+                )
+            if self.offload_optimizer.delayed_param_update:
+                raise PydanticCustomError(
+                    "offload_gather_from_master",
+                    "offload_param.gather_from_master cannot be combined with offload_optimizer.delayed_param_update: "
+                    "the delayed host step rewrites the master while the next forward gathers from it; remove one",
+                )
         return self
 
     @field_validator("stage")

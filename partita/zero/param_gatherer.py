@@ -522,6 +522,10 @@ class ParameterGatherer:
         """True for parameters that live as shards (not persistent)."""
         return param in self._state
 
+    def wait_shard_reads(self) -> None:
+        """Before an optimizer step rewrites the masters: the gathers' copies reading them are done."""
+        self.storage.wait_reads()
+
     @torch.no_grad()
     def refresh_shards(self) -> None:
         """After an optimizer step: the low-precision shards follow the fp32 master (on the

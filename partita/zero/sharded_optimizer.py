@@ -274,6 +274,8 @@ class ShardedOptimizer:
             # a master this step is about to change.
             self._uploads_queued.synchronize()
             self._uploads_queued = None
+        if self.param_store is not None:
+            self.param_store.wait_shard_reads()  # offload_param.gather_from_master: gathers read the masters
         in_kernel = multiplier != 1.0 and self._fused_adam
         if in_kernel:
             # Unscale + clip inside the fused Adam/AdamW kernel (its GradScaler input: grads are
