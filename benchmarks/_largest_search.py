@@ -59,6 +59,8 @@ SETTINGS: tuple[Setting, ...] = (
     _p("p-opt-8b", "partita ZeRO-3, AdamW8bit, optimizer in CPU memory", offload_optimizer="cpu", **_8),
     _p("p-optp", "partita ZeRO-3, AdamW, optimizer + parameters in CPU memory", offload_optimizer="cpu",
        offload_param="cpu"),
+    _p("p-optp-gm", "partita ZeRO-3, AdamW, optimizer + parameters in CPU memory, gathered from the fp32 master",
+       offload_optimizer="cpu", offload_param="cpu", param_gather_from_master=True),
     _p("p-optp-8b", "partita ZeRO-3, AdamW8bit, optimizer + parameters in CPU memory", offload_optimizer="cpu",
        offload_param="cpu", **_8),
     # Optimizer states on NVMe with the parameters in CPU memory: the estimator gives this a larger

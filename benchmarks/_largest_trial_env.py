@@ -169,7 +169,7 @@ class TreeWatch:
 # run shows every path: pass then fail, fail then pass, two passes, each failure kind.
 TINY_FAILURES = {
     "p-none": ("gpu-oom", 0), "p-none-8b": ("gpu-oom", -1), "p-opt": ("host-kill", 1),
-    "p-opt-8b": ("host-ballast", 0), "p-optp": ("hang", 0), "p-optp-8b": ("gpu-oom", 0),
+    "p-opt-8b": ("host-ballast", 0), "p-optp": ("hang", 0), "p-optp-gm": ("host-kill", 0), "p-optp-8b": ("gpu-oom", 0),
     "p-nvme": ("disk-full", 0), "p-nvme-8b": ("host-kill", -1), "fsdp2": ("gpu-oom", 0),
     "fsdp2-off": ("host-kill", -1), "ds-off": ("gpu-oom", 0),
 }

@@ -64,7 +64,8 @@ def partita_config(spec: dict, cuda: bool) -> dict:
         zero["offload_optimizer"] = {"device": opt_device, "pin_memory": cuda, "nvme_path": nvme,
                                      "buffer_count": 4, "pipeline_read": True}
     if param_device != "none":
-        zero["offload_param"] = {"device": param_device, "pin_memory": cuda, "nvme_path": nvme}
+        zero["offload_param"] = {"device": param_device, "pin_memory": cuda, "nvme_path": nvme,
+                                 "gather_from_master": bool(options.get("param_gather_from_master", False))}
     if "sub_group_size" in options:
         zero["sub_group_size"] = options["sub_group_size"]
     return {

@@ -69,7 +69,7 @@ def test_search_refuses_bad_input() -> None:
 
 
 def test_settings_and_ladder() -> None:
-    assert [s.name for s in SETTINGS] == ["p-none", "p-none-8b", "p-opt", "p-opt-8b", "p-optp", "p-optp-8b", "p-nvme",
+    assert [s.name for s in SETTINGS] == ["p-none", "p-none-8b", "p-opt", "p-opt-8b", "p-optp", "p-optp-gm", "p-optp-8b", "p-nvme",
                                           "p-nvme-8b", "fsdp2", "fsdp2-off", "ds-off"]
     assert [s.name for s in parse_settings("fsdp2,p-none,fsdp2")] == ["fsdp2", "p-none"]
     with pytest.raises(ValueError, match=r"^unknown setting\(s\) \['p-gpu'\]; the settings are p-none, "):
