@@ -41,7 +41,10 @@ _READY = "ready"
 
 
 # What the fork server imports before it forks any rank (the imports every rank repeated).
-PRELOAD = ["torch", "torch.distributed", "partita.bootstrap"]
+# torch._dynamo: every rank's first torch optimizer imports it (Optimizer.__init__ ->
+# torch._compile._disable_dynamo), ~1.8 CPU-s per rank; it starts no threads, so forking after
+# it stays safe.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "partita.bootstrap"]
 
 
 def _context() -> mp.context.BaseContext:
