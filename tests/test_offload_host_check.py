@@ -113,3 +113,23 @@ def test_initialize_refuses_before_allocating(monkeypatch, no_process_group_left
         partita.initialize(model=_model(), config=_config())
     engine, *_ = partita.initialize(model=_model(), config=_config(check_host_memory=False))
     engine.destroy()
+
+
+def test_parameter_offload_refusal_offers_gather_from_master():
+    model = nn.Linear(16384, 16384, bias=False, device="meta")  # 2^28 parameters, never allocated
+    groups = [{"params": list(model.parameters())}]
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    cfg = {**_config(), "bf16": {"enabled": True}, "zero_optimization": zero}
+    small = TierCapacities(80 * GIB, GIB, 0, sources=("given", "given host", "given disk"))
+    with pytest.raises(ConfigError) as refused:
+        check_host_capacity(PartitaConfig.model_validate(cfg), model, groups, world_size=1,
+                            device=torch.device("cuda"), capacities=small)
+    # bf16 shards of 2^28 parameters: 0.50 GiB of the 16 + 2 bytes per parameter
+    assert "Fixes: offload_param.gather_from_master true (no 16-bit parameter copy in host memory: 0.50 GiB " \
+           "less), or offload_optimizer.device" in str(refused.value)
+    zero["offload_param"]["gather_from_master"] = True
+    with pytest.raises(ConfigError) as refused:
+        check_host_capacity(PartitaConfig.model_validate(cfg), model, groups, world_size=1,
+                            device=torch.device("cuda"), capacities=small)
+    assert "gather_from_master true" not in str(refused.value)
+    assert "needs at least 4.25 GiB of host memory" in str(refused.value)  # 16 bytes x 2^28 + 4 staging buffers

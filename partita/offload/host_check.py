@@ -93,11 +93,16 @@ def _refusal(estimate: Any, needed: int, available: int, source: str, setup: Any
         reverse=True,
     )
     biggest = "; ".join(f"{item} {nbytes / GIB:.2f}" for nbytes, item in items[:4]) or "none"
+    shards = sum(line.nbytes for line in estimate.lines if line.device == "cpu" and "offload_param cpu" in line.item)
+    gather = ""
+    if shards and setup.offload_optimizer != "none" and not setup.param_gather_from_master:
+        gather = (f"offload_param.gather_from_master true (no 16-bit parameter copy in host memory: "
+                  f"{shards / GIB:.2f} GiB less), or ")
     where = "this CPU run's memory (model, activations and offloaded state)" if cpu_run else "host memory"
     return (
         f"zero_optimization offload needs at least {needed / GIB:.2f} GiB of {where} on each rank, but "
         f"{available / GIB:.2f} GiB is available ({source}); the run would be killed by the kernel's OOM killer. "
-        f"Host buffers (GiB): {biggest}. Fixes: offload_optimizer.device \"auto\" (partita splits the optimizer "
+        f"Host buffers (GiB): {biggest}. Fixes: {gather}offload_optimizer.device \"auto\" (partita splits the optimizer "
         f"state over the accelerator, host memory and NVMe to fit: `partita estimate --offload-optimizer auto`), "
         f"or offload_optimizer.device \"nvme\" with nvme_path, or offload_param.device \"nvme\", or an 8-bit "
         f"optimizer, or more data-parallel ranks (the state is sharded over {setup.world_size} now). "
