@@ -273,7 +273,8 @@ def test_a_unit_larger_than_buffer_size_is_refused(world_1) -> None:
 
 def checkpoint_round_trip(nvme_path: str, save_dir: str) -> dict:
     """Save after 2 steps with offload_param nvme (and optimizer offload), load into a run
-    without any offload, train 2 more steps; compare with an uninterrupted run."""
+    without any offload, one with the same offload and one gathering from the host master
+    (gather_from_master), train 2 more steps; compare with an uninterrupted run."""
     import partita
 
     out = {}
@@ -288,7 +289,8 @@ def checkpoint_round_trip(nvme_path: str, save_dir: str) -> dict:
         _train(engine, 2, 4, batches=4)
         out[name] = _full_params(engine, model)
         engine.zero.gatherer.close()
-    for name, cfg in (("resumed_plain", plain_cfg), ("resumed_nvme", saved_cfg)):
+    from_master_cfg = _z3(1, param="cpu", optimizer=True, gather_from_master=True)
+    for name, cfg in (("resumed_plain", plain_cfg), ("resumed_nvme", saved_cfg), ("resumed_from_master", from_master_cfg)):
         model = build_block_model()
         engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
         engine.load_checkpoint(save_dir, tag="nvme")
@@ -302,6 +304,6 @@ def checkpoint_round_trip(nvme_path: str, save_dir: str) -> dict:
 def test_checkpoint_saved_with_offload_param_resumes_without_it(world_2) -> None:
     for rank in world_2[:-1]:
         out = rank["checkpoint"]
-        for run in ("saved", "resumed_plain", "resumed_nvme"):
+        for run in ("saved", "resumed_plain", "resumed_nvme", "resumed_from_master"):
             for name, want in out["uninterrupted"].items():
                 assert torch.equal(out[run][name], want), (run, name)
