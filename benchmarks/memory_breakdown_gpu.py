@@ -22,7 +22,10 @@ partita rows also carry the estimator's peak (``partita estimate``) for the same
     python benchmarks/memory_breakdown_gpu.py --tiny        # CPU: the same logic, no GPU
 
 ``partitaN-kept`` runs stage N with ``zero_optimization.one_rank_free_weights`` off (the whole
-bf16 replica kept, as before that key), for an A/B of it in one run.
+bf16 replica kept, as before that key), for an A/B of it in one run. ``partitaN-early`` and
+``partitaN-end`` fix ``zero_optimization.one_rank_gradient_fold`` (plain ``partitaN``: "auto"):
+
+    python benchmarks/memory_breakdown_gpu.py --micro-batch 2 --engines partita2-early,partita2-end,fsdp2
 
 ``--tiny`` runs a small GPT on CPU over gloo (fp32, no snapshot: CPU has no allocator trace) and
 checks the peak replay on a synthetic trace, so the script's logic is exercised without a GPU.
@@ -210,17 +213,27 @@ def run_setting(args: argparse.Namespace) -> dict[str, Any]:
 
         # "partitaN-kept": stage N with zero_optimization.one_rank_free_weights off (the whole bf16
         # replica kept through forward and backward, as before it existed).
+        # "partitaN-early" / "-end": one_rank_gradient_fold fixed (plain: "auto", decided by the estimate).
         name, kept = args.worker.removesuffix("-kept"), args.worker.endswith("-kept")
+        fold = next((f for f in ("early", "end") if name.endswith("-" + f)), "auto")
+        name = name.removesuffix("-" + fold)
         stage = int(name.removeprefix("partita"))
         cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                "gradient_clipping": 1.0, "steps_per_print": 10**6,
                "optimizer": {"type": "AdamW", "params": adamw},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 500_000_000,
-                                     "allgather_bucket_size": 500_000_000, "one_rank_free_weights": not kept}}
+                                     "allgather_bucket_size": 500_000_000, "one_rank_free_weights": not kept,
+                                     "one_rank_gradient_fold": fold}}
         if cuda:
             cfg["bf16"] = {"enabled": True}
         shape = GPTShape(d_model=config.n_embd, n_layers=config.n_layer, n_heads=config.n_head, vocab=config.vocab_size,
                          seq_len=config.block_size, bias=config.bias, dropout=config.dropout)
+        if fold == "auto":  # the rule initialize will choose, so the prediction is of what runs
+            from partita.config import load_config
+            from partita.zero.fold_choice import resolve_gradient_fold
+
+            decided = resolve_gradient_fold(load_config(cfg), model, [{"params": list(model.parameters())}], world_size=1)
+            cfg["zero_optimization"]["one_rank_gradient_fold"] = decided.zero_optimization.one_rank_gradient_fold
         estimate = estimate_memory(shape, Setup.from_config(cfg, world_size=1), micro_batch=args.micro_batch,
                                    **({"checkpointing": "every"} if args.checkpoint else {}))
         predicted = {"peak_gib": estimate.peak_accelerator / GIB, "peak_phase": estimate.peak("accelerator")[1],

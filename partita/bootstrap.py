@@ -35,6 +35,7 @@ from partita.moe.registry import bind_experts
 from partita.monitor.setup import prepare_monitoring
 from partita.offload.auto_placement import resolve_tiered_placement
 from partita.offload.host_check import check_host_capacity
+from partita.zero.fold_choice import resolve_gradient_fold
 from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
@@ -150,6 +151,8 @@ def initialize(
     # A fixed offload whose host buffers cannot fit: a clear refusal now, not the OOM killer later.
     check_host_capacity(cfg, model, param_groups, world_size=topology.zero_size,
                         batch_world_size=topology.data_size, device=device, client_optimizer=optimizer)
+    # One process: fold each gradient as it arrives or after backward, whichever peaks lower.
+    cfg = resolve_gradient_fold(cfg, model, param_groups, world_size=topology.zero_size, client_optimizer=optimizer)
 
     zero = apply_zero(
         model,

@@ -131,8 +131,10 @@ def measure_model_states(cases: list[tuple[int, str, str, int, dict | None]], nv
         model = _state_model()
         groups = model.optimizer_param_groups(0.1)
         info = model_info(model, param_groups=groups)
-        estimate = estimate_memory(info, Setup.from_config(cfg, world_size=world))
         engine, _, _, _ = partita.initialize(model=model, model_parameters=groups, config=cfg)
+        # The one-rank gradient fold initialize chose ("auto": by the estimate) is what runs.
+        end = engine.config.zero_optimization.one_rank_gradient_fold == "end"
+        estimate = estimate_memory(info, Setup.from_config(cfg, world_size=world, fold_gradients_at_end=end))
         reducer = engine.zero.reducer
         held = [0]
         original_finish = reducer.finish_backward

@@ -39,7 +39,7 @@ class _Twice(torch.nn.Module):
         return self.inner[0](self.inner[0](x))
 
 
-def _train(stage: int, *, legacy: bool, twice: bool = False, gas: int = 1) -> dict:
+def _train(stage: int, *, legacy: bool, twice: bool = False, gas: int = 1, fold: str = "early") -> dict:
     import partita
     from partita.zero import reducer as reducer_module
     from partita.zero import shard_group
@@ -47,7 +47,8 @@ def _train(stage: int, *, legacy: bool, twice: bool = False, gas: int = 1) -> di
     model = _model(twice)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.5,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 20},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 20,
+                                 "one_rank_gradient_fold": fold},
            "steps_per_print": 10**6}
     engine, _, _, _ = partita.initialize(model=model, config=cfg)
     reducer, groups = engine.zero.reducer, engine.optimizer.groups
@@ -96,11 +97,21 @@ def run_cases() -> dict:
         for gas in (1, 2):
             out[(stage, gas)] = (_train(stage, legacy=False, gas=gas), _train(stage, legacy=True, gas=gas))
     out["twice"] = (_train(3, legacy=False, twice=True), _train(3, legacy=True, twice=True))
+    # one_rank_gradient_fold "end": the previous rule's fold through the config key (no patching)
+    out["end"] = {(stage, gas): _train(stage, legacy=False, gas=gas, fold="end") for stage in (1, 2, 3) for gas in (1, 2)}
     return out
 
 
 def test_one_rank_folds_early_keeps_no_unit_and_changes_no_value() -> None:
     results = run_distributed(run_cases, 1, timeout=300)[0]
+    for case, end in results.pop("end").items():
+        early = results[case][0]
+        assert end["losses"] == early["losses"], case
+        assert all(torch.equal(a, b) for a, b in zip(end["masters"], early["masters"])), case
+        for a, b in zip(end["states"], early["states"]):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), case
+        # Every other gradient still held in param.grad when the last one arrives.
+        assert end["alive_at_last"][-1] == results[case][1]["alive_at_last"][-1] > 0, case
     for case, (new, old) in results.items():
         assert new["losses"] == old["losses"], case
         for a, b in zip(new["masters"], old["masters"]):

@@ -223,6 +223,9 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     # From the first retired bucket on; at world size 1 from the first gradient, which is folded
     # in as it arrives (reducer.py [Note: folding on one rank]).
     partition_phases = frozenset({BACKWARD, END_BACKWARD, STEP})
+    if setup.world_size == 1 and setup.fold_gradients_at_end and not host_groups and \
+            not holds_grads_across_micro_batches(setup):
+        partition_phases = frozenset({END_BACKWARD, STEP})  # allocated by finish_backward
     if device_groups:
         lines.append(Line("gradients", "fp32 gradient partition", "accelerator", 4 * partition(device_groups),
                           partition_phases, kind="grad_partition"))
@@ -242,9 +245,10 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     held = holds_grads_across_micro_batches(setup)
     kept = trainable
     if setup.world_size == 1 and not held:
-        # One rank: on-device groups fold each gradient as it arrives, and offloaded ones send it
-        # to the host as it arrives (GradientReducer._on_grad_ready, download_during_backward).
-        kept = 0
+        # One rank: on-device groups fold each gradient as it arrives (or, one_rank_gradient_fold
+        # "end", hold it until finish_backward), and offloaded ones send it to the host as it
+        # arrives (GradientReducer._on_grad_ready, download_during_backward).
+        kept = trainable if setup.fold_gradients_at_end and not host_groups else 0
     if (setup.world_size == 1 or held) and kept:
         phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())
         why = "held across micro-batches" if held else "kept until the end of backward (one rank)"

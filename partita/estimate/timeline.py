@@ -89,6 +89,9 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         ready = sum(n for o, n in numel.items() if ready_at[o] <= e)
         waiting = trainable - ready
         grads = (d * waiting if held else 0) + (4 * trainable if sums and one_rank else 4 * waiting if sums else 0)
+        at_end = one_rank and setup.fold_gradients_at_end and not held  # every param.grad held, no partition yet
+        if at_end:
+            grads += d * ready
         if tied is not None and ready_at[tied.order] > e and not held:
             grads += d * tied.numel  # the LM head's contribution, waiting for the embedding's
         launched = 0
@@ -100,7 +103,7 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
             alive += sizes[launched]  # the bucket being filled
         has_partition = retired > 0 if packed else launched > 0
         if one_rank:
-            has_partition = ready > 0  # allocated by the first gradient folded in
+            has_partition = ready > 0 and not at_end  # allocated by the first gradient folded in
         # Freed block weights: each block's are cast back just before its backward (that of block
         # L - 1 - e, whose recomputation the snapshot holds) and stay.
         weights = d * sum(numel[o] for o in in_blocks if ready_at[o] <= e + 1) if refills else 0

@@ -167,6 +167,7 @@ def apply_zero(
         predivide_factor=predivide_factor,
         accumulate_in_fp32=accumulate_in_fp32,
         download_during_backward=offload.enabled,
+        fold_at_end=config.one_rank_gradient_fold == "end",
     )
     gatherer = None
     if policy.shard_parameters:

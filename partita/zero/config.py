@@ -7,7 +7,7 @@ Keys, meanings and defaults follow DeepSpeed 0.19. Keys for features partita lac
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -136,6 +136,18 @@ class ZeroConfig(StrictSection):
             "block's weights outside that block's forward."
         ),
     )
+    one_rank_gradient_fold: Literal["auto", "early", "end"] = Field(
+        "auto",
+        description=(
+            "partita-only. One process, no optimizer offload: when each gradient is folded into the fp32 "
+            "partition. \"early\": as it arrives, freeing param.grad (the partition exists from the first "
+            "gradient on); \"end\": after backward (every param.grad is held until then, the partition "
+            "allocated only then). The values are the same bit for bit; only the peak differs: early wins "
+            "when activations are checkpointed or the micro-batch is large, end when activations still "
+            "alive early in backward outweigh the full-size gradients. \"auto\": the lower of the two "
+            "peaks by partita estimate for partita's GPT, early for other models."
+        ),
+    )
     sub_group_size: JsonInt = Field(
         1_000_000_000,
         gt=0,
@@ -172,6 +184,13 @@ class ZeroConfig(StrictSection):
                 "offload_stage",
                 "offload_param needs ZeRO stage 3 (only stage 3 shards parameters); set "
                 "zero_optimization.stage to 3, or offload_param.device to \"none\"",
+            )
+        if self.one_rank_gradient_fold == "end" and self.offload_optimizer.enabled:
+            raise PydanticCustomError(
+                "one_rank_gradient_fold",
+                "one_rank_gradient_fold \"end\" holds every param.grad on the accelerator until the end of "
+                "backward; with offload_optimizer the gradients go to the host as they arrive instead. Remove "
+                "one_rank_gradient_fold or set it to \"auto\"",
             )
         if self.offload_param.gather_from_master:
             host_master = self.offload_optimizer.device in ("cpu", "auto")

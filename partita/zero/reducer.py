@@ -117,6 +117,7 @@ class GradientReducer:
         predivide_factor: float = 1.0,
         accumulate_in_fp32: bool = False,
         download_during_backward: bool = False,
+        fold_at_end: bool = False,
     ) -> None:
         self._groups = groups
         # One rank, offloaded groups: send each gradient to the host as backward makes it
@@ -124,6 +125,9 @@ class GradientReducer:
         # once made the exact (non-delayed) step slower: its uploads then waited for staging
         # buffers behind the downloads; they now go up from the page-locked master directly.
         self._download_during_backward = download_during_backward
+        # One rank, on-device groups: hold each param.grad until finish_backward instead of
+        # folding it in as it arrives (zero_optimization.one_rank_gradient_fold "end").
+        self._fold_at_end = fold_at_end
         self._process_group = process_group
         self._world_size = world_size  # what every gradient is averaged over (the ZeRO world)
         default = ShardComm(process_group, world_size, dist.get_rank(process_group) if world_size > 1 else 0)
@@ -211,9 +215,10 @@ class GradientReducer:
         b, i = self._bucket_of[param]
         bucket = self._buckets[b]
         offloaded = self._groups[bucket.entries[i].group].offloaded
-        if bucket.comm.size == 1 and offloaded and not self._download_during_backward:
-            # An offloaded partition on one rank: leave the gradient in param.grad and send it
-            # down in finish_backward (download_during_backward=False).
+        if bucket.comm.size == 1 and (self._fold_at_end if not offloaded else not self._download_during_backward):
+            # One rank: leave the gradient in param.grad; finish_backward folds it in (an on-device
+            # partition with fold_at_end) or sends it down (an offloaded one without
+            # download_during_backward).
             return
         if bucket.comm.size == 1 and i not in bucket.pending:
             # One rank, a second gradient of the same parameter in one backward (reentrant

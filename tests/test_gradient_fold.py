@@ -1,0 +1,76 @@
+"""``zero_optimization.one_rank_gradient_fold`` (partita/zero/fold_choice.py): which rule "auto" picks,
+the estimator's peaks of both rules, and the refusals. That both rules train bitwise alike is in
+tests/test_memory_one_rank.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partita.config import ConfigError, PartitaConfig, load_config
+from partita.estimate import GPTShape, estimate_memory
+from partita.estimate.inputs import Setup
+from partita.estimate.model_info import model_info
+from partita.zero.fold_choice import resolve_gradient_fold
+
+GIB = 2**30
+
+
+def _gpt_1_3b():
+    from partita.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):  # never allocated: the estimator reads shapes only
+        return GPT(GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048))
+
+
+def _cfg(micro_batch: int, *, stage: int = 2, checkpoint: bool = False, **zero) -> PartitaConfig:
+    raw = {"train_micro_batch_size_per_gpu": micro_batch, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage, **zero}}
+    if checkpoint:
+        raw["activation_checkpointing"] = {"policy": "every"}
+    return PartitaConfig.model_validate(raw)
+
+
+def _choice(cfg: PartitaConfig, model=None, *, world_size: int = 1) -> str:
+    model = model if model is not None else _gpt_1_3b()
+    out = resolve_gradient_fold(cfg, model, [{"params": list(model.parameters())}], world_size=world_size)
+    return out.zero_optimization.one_rank_gradient_fold
+
+
+def _peak(micro_batch: int, stage: int, checkpointing: str, end: bool) -> float:
+    setup = Setup(dtype="bf16", stage=stage, micro_batch=micro_batch, checkpointing=checkpointing,
+                  fold_gradients_at_end=end)
+    return estimate_memory(model_info(GPTShape(2048, 24, 16, 50304, 2048)), setup).peak_accelerator / GIB
+
+
+def test_estimated_peaks_of_both_rules():
+    # GPT-1.3B, one rank. Folding at the end is the rule before early folding: its figure at
+    # micro-batch 1, ZeRO-2 is the 24.70 GiB docs/performance.md recorded for that rule.
+    assert round(_peak(1, 2, "none", True), 2) == 24.70
+    assert round(_peak(1, 2, "none", False), 2) == 23.29
+    assert round(_peak(2, 2, "none", False), 2) == 26.48 and round(_peak(2, 2, "none", True), 2) == 24.89
+    assert round(_peak(8, 2, "none", False), 2) == round(_peak(8, 2, "none", True), 2) == 49.81
+
+
+def test_auto_takes_the_lower_peak_and_early_on_ties():
+    assert _choice(_cfg(2)) == "end"  # 24.89 < 26.48 GiB
+    assert _choice(_cfg(2, stage=3)) == "end"
+    assert _choice(_cfg(1)) == "early"  # 23.29 < 24.70
+    assert _choice(_cfg(8)) == "early"  # equal peaks
+    assert _choice(_cfg(2, checkpoint=True)) == "early"
+
+
+def test_auto_is_early_where_the_estimate_cannot_choose():
+    linear = torch.nn.Linear(8, 8)
+    assert _choice(_cfg(2), linear) == "early"  # no walk of backward for other models
+    assert _choice(_cfg(2), world_size=2) == "early"  # ranks to reduce over: nothing to hold
+    assert _choice(_cfg(2, offload_optimizer={"device": "cpu"})) == "early"  # gradients go to the host
+    assert _choice(_cfg(2, one_rank_gradient_fold="end"), linear) == "end"  # a given rule is kept
+
+
+def test_end_with_optimizer_offload_is_refused():
+    with pytest.raises(ConfigError, match='one_rank_gradient_fold "end" holds every param.grad on the accelerator'):
+        load_config({"zero_optimization": {"stage": 2, "one_rank_gradient_fold": "end",
+                                           "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="one_rank_gradient_fold"):
+        load_config({"zero_optimization": {"one_rank_gradient_fold": "late"}})
