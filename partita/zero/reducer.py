@@ -235,7 +235,8 @@ class GradientReducer:
         # the activations still alive then exceed the full-size gradients and the loss transient
         # is smaller than the partition (small micro-batches without checkpointing), the
         # partition now coexists with more activations than before (partita estimate, GPT-1.3B,
-        # ZeRO-2, micro-batch 2: 25.9 -> 28.6 GiB); choosing per step from measured memory is open.
+        # ZeRO-2, micro-batch 2: 25.9 -> 28.6 GiB). zero_optimization.one_rank_gradient_fold "end"
+        # keeps the old rule (fold_at_end, above); "auto" picks by the estimate (fold_choice.py).
         if i not in bucket.pending:
             # The gradient was already packed (and maybe sent) in this backward: reentrant
             # activation checkpointing runs a nested backward per checkpointed region.
