@@ -171,6 +171,10 @@ class HostShards(ShardStorage):
         self._mark_copies()
         return local
 
+    def wait_reads(self) -> None:
+        if any(s is g.master for s, g in zip(self.shards, self.groups)):  # never with a delayed update
+            self._wait_copies()
+
     @torch.no_grad()
     def refresh(self) -> None:
         self._wait_copies()  # a copy still reading the old values must finish first

@@ -106,9 +106,10 @@ class ShardStorage(abc.ABC):
         """Release files and buffers (a no-op for in-memory shards)."""
 
     def wait_reads(self) -> None:
-        """Before the optimizer rewrites the masters: no gather's copy may still read one (a
-        storage gathering from the masters, HostShards with ``gather_from_master``)."""
-        self._wait_copies()
+        """Before the optimizer rewrites the masters: no gather's copy may still read one. A
+        no-op for storages that never read a master (HostShards with ``gather_from_master``
+        overrides it). It must stay one: a delayed update calls it on its background thread
+        while the next forward's gathers record their copies."""
 
     # ---- helpers shared by the offloaded storages -------------------------------------------
     def _mark_copies(self) -> None:
