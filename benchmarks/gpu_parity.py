@@ -56,6 +56,8 @@ def variants(stages: list[int], *, offload: bool, compile_blocks: bool) -> list[
         out += [(2, "offload-cpu-ratio0.5", {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}),
                 (2, "offload-nvme", nvme, {"aio": {"block_size": 4096}}),
                 (3, "offload-param-cpu", {**cpu, "offload_param": {"device": "cpu"}}, {}),
+                (3, "offload-param-cpu-gather-master",
+                 {**cpu, "offload_param": {"device": "cpu", "gather_from_master": True}}, {}),
                 (3, "offload-param-nvme", {"offload_param": {"device": "nvme", "nvme_path": NVME_PATH}},
                  {"aio": {"block_size": 4096}})]
     if compile_blocks:
