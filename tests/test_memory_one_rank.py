@@ -152,7 +152,8 @@ def _live_param_bytes(model) -> int:
 
 
 def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int = 1, dtype: str = "bf16",
-                 edit: bool = False, compile_backend: str | None = None, moe: bool = False) -> dict:
+                 edit: bool = False, compile_backend: str | None = None, moe: bool = False,
+                 fold: str = "early") -> dict:
     import partita
     from partita.estimate import Setup, estimate_memory
     from partita.estimate.model_info import model_info
@@ -162,7 +163,8 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
     groups = model.optimizer_param_groups(0.1)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.5,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, dtype: {"enabled": True},
-           "zero_optimization": {"stage": stage, "one_rank_free_weights": free}, "steps_per_print": 10**6}
+           "zero_optimization": {"stage": stage, "one_rank_free_weights": free, "one_rank_gradient_fold": fold},
+           "steps_per_print": 10**6}
     if dtype == "fp16":
         cfg["fp16"].update(initial_scale_power=18, hysteresis=1)  # overflows at first: skipped steps
     if checkpoint:
@@ -178,10 +180,14 @@ def _train_freed(stage: int, *, free: bool, checkpoint: bool = False, gas: int =
     params = list(model.parameters())
     whole = sum(p.numel() * p.element_size() for p in params)
     g = torch.Generator().manual_seed(1)
-    out = {"losses": [], "grads": [], "partitions": [], "at_start": [], "whole_between": True, "refills": []}
+    out = {"losses": [], "grads": [], "partitions": [], "at_start": [], "whole_between": True, "refills": [],
+           "at_fold": []}
     if weights is not None:  # parameter bytes alive after each block is cast back in backward
         refill = weights.on_pre_backward
         weights.on_pre_backward = lambda unit: (refill(unit), out["refills"].append(_live_param_bytes(model)))
+        # ... and when finish_backward folds the gradients ("end": every block freed again)
+        finish = engine.zero.reducer.finish_backward
+        engine.zero.reducer.finish_backward = lambda: (out["at_fold"].append(_live_param_bytes(model)), finish())
     for micro in range(4 * gas):
         if edit and micro == 2 * gas:
             # An in-place edit of the model between steps (the master still holds the old values):
@@ -229,6 +235,10 @@ _FREED_CASES = [dict(stage=stage, checkpoint=ckpt, gas=gas) for stage in (1, 2) 
 _FREED_CASES += [dict(stage=0), dict(stage=2, dtype="fp16"), dict(stage=2, edit=True),
                  dict(stage=2, compile_backend="aot_eager"), dict(stage=1, checkpoint=True, compile_backend="aot_eager"),
                  dict(stage=2, moe=True)]
+# one_rank_gradient_fold "end": blocks freed again after their backward ([Note: freed again after
+# the unit's backward]); compared with the key off under the same fold.
+_FREED_CASES += [dict(stage=2, fold="end"), dict(stage=1, gas=2, checkpoint=True, fold="end"),
+                 dict(stage=2, moe=True, fold="end")]
 
 
 def run_freed_cases() -> dict:
@@ -301,9 +311,15 @@ def test_one_rank_freed_block_weights_change_no_value_and_leave_only_the_root_at
         assert on["predicted"] == on["root"] and off["predicted"] == off["whole"], case
         assert on["freed_count"] == 3 * (micro_steps - (gas if edited else 0)) + 3, case  # 3 blocks per forward
         assert on["after_lone_forward"] == on["root"] and off["after_lone_forward"] == off["whole"], case
-        if not edited:  # in backward the blocks come back one by one, last first, and stay: the walk's rule
+        end = dict(case).get("fold") == "end"
+        if not edited:  # in backward the blocks come back one by one, last first: the walk's rule
             last_first = on["blocks"][::-1]
-            back = [on["root"] + sum(last_first[: k + 1]) for k in range(3)]
+            if end:  # ... each freed again once its gradients are in, until finish_backward has folded
+                back = [on["root"] + last_first[k] for k in range(3)]
+                assert on["at_fold"] == [on["root"]] * micro_steps and off["at_fold"] == [], case
+            else:  # ... and stay
+                back = [on["root"] + sum(last_first[: k + 1]) for k in range(3)]
+                assert on["at_fold"] == [on["whole"]] * micro_steps, case
             assert on["refills"] == back * micro_steps, case
     fp16 = results[(("dtype", "fp16"), ("stage", 2))][0]
     assert fp16["skipped"] > 0 and fp16["applied"] > 0, fp16  # overflows skipped, later steps applied

@@ -199,8 +199,11 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
             # their backward, which brings them back block by block (the walk counts them there).
             lines.append(Line("parameters", f"{setup.dtype} parameters outside the blocks",
                               "accelerator", d * (_sum(plain, lambda g: sum(p.numel for p in g.params)) - blocks)))
+            # With one_rank_gradient_fold "end" each block's are freed again after its backward and
+            # come back after finish_backward ([Note: freed again after the unit's backward]).
+            phases = {BACKWARD, STEP, WRITE_BACK} | (set() if setup.fold_gradients_at_end else {END_BACKWARD})
             lines.append(Line("parameters", f"{setup.dtype} block parameters (freed from forward to backward)",
-                              "accelerator", d * blocks, frozenset({BACKWARD, END_BACKWARD, STEP, WRITE_BACK}),
+                              "accelerator", d * blocks, frozenset(phases),
                               note="cast back from the fp32 master before each block's backward",
                               kind="block_params"))
         elif plain:

@@ -20,7 +20,8 @@ newest ``_IN_FLIGHT`` are retired into the partition, the next bucket holds what
 packed. Parameters whose gradient is not ready yet keep gradients held from earlier
 micro-batches (stages 0/1 with accumulation). On one process at stages 0-2 the blocks' 16-bit
 weights come back from the master one block at a time, just before each block's backward
-(``partita/zero/one_rank_weights.py``). Everything not changing in backward (model states,
+(``partita/zero/one_rank_weights.py``; with ``one_rank_gradient_fold "end"`` they are freed again
+after it). Everything not changing in backward (model states,
 ZeRO-3 gathered parameters, ...) is added as it is.
 """
 
@@ -105,8 +106,10 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         if one_rank:
             has_partition = ready > 0 and not at_end  # allocated by the first gradient folded in
         # Freed block weights: each block's are cast back just before its backward (that of block
-        # L - 1 - e, whose recomputation the snapshot holds) and stay.
-        weights = d * sum(numel[o] for o in in_blocks if ready_at[o] <= e + 1) if refills else 0
+        # L - 1 - e, whose recomputation the snapshot holds) and stay; folding at the end, they
+        # are freed again once the block's gradients are in (one_rank_weights.py).
+        came_back = (lambda o: ready_at[o] == e + 1) if setup.fold_gradients_at_end else (lambda o: ready_at[o] <= e + 1)
+        weights = d * sum(numel[o] for o in in_blocks if came_back(o)) if refills else 0
         total = saved + recompute + grads + alive + weights + (partition if has_partition else 0)
         worst = max(worst, total)
     return static + worst

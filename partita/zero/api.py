@@ -191,7 +191,8 @@ def apply_zero(
         # One process: each block's 16-bit weights are freed between its forward and its backward.
         one_rank = build_one_rank_weights(module, groups, enabled=config.one_rank_free_weights,
                                           world_size=topology.world_size,
-                                          delayed_update=offload.enabled and offload.delayed_param_update)
+                                          delayed_update=offload.enabled and offload.delayed_param_update,
+                                          free_after_backward=config.one_rank_gradient_fold == "end")
         if one_rank is not None:
             optimizer.after_write_back.append(one_rank.synced)
     forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now

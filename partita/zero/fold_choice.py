@@ -7,11 +7,13 @@ fp32 partition as soon as autograd makes it ("early", freeing ``param.grad``), o
 - early: the partition (4 bytes per parameter) exists from the first gradient, beside whatever
   activations backward has not freed yet;
 - end: the full-size gradients (2 bytes per parameter in bf16) grow as backward frees
-  activations, and the partition joins them only at the end (4 + 2 bytes per parameter then).
+  activations, and the partition joins them only at the end (4 + 2 bytes per parameter then);
+  at stages 0-2 each block's 16-bit weights are freed again after its backward
+  (one_rank_weights.py [Note: freed again after the unit's backward]).
 
-With checkpointing or large micro-batches early is lower (GPT-6.7B, ZeRO-3, checkpointed: 10 GiB
-lower on one H200); with small micro-batches and no checkpointing end can be (GPT-1.3B, ZeRO-2,
-micro-batch 2: 25.9 against 28.6 GiB by the estimate). "auto" asks partita's estimator for both
+At ZeRO-3 with checkpointing early is lower (GPT-6.7B, checkpointed: 10 GiB lower on one H200);
+with small micro-batches end is (GPT-1.3B, ZeRO-2, micro-batch 2: 23.6 against 26.5 GiB by the
+estimate; measured 26.34 early). "auto" asks partita's estimator for both
 peaks, which it models block by block for partita's GPT, and takes the lower. Ties and every
 other model get early, the behaviour before this choice existed.
 """

@@ -24,6 +24,18 @@ backward the model is whole again, as ZeRO-1/2 promise between steps. Parameters
 unit (embeddings, final norm, tied weights) are never freed. Cost: one cast of each block's
 weights per backward (GPT-1.3B: 2.25 GiB written, ~2 ms on an H200).
 
+[Note: freed again after the unit's backward]
+With ``zero_optimization.one_rank_gradient_fold "end"`` the peak is the end of backward, where
+every full-size ``param.grad`` is held and the fp32 partition is allocated to fold them: there
+the refilled weights were dead weight (GPT-1.3B, ZeRO-2, micro-batch 2: 2.25 GiB of a 24.57 GiB
+peak on one H200). So under that rule a unit refilled in this backward is freed again once every
+one of its parameters' gradients has been accumulated (post-accumulate-grad hooks, registered
+after the reducer's, so the gradient is already held), and ``restore`` brings the model back
+after ``finish_backward`` has folded the gradients and freed them. The same rule ZeRO-3 releases
+a unit by (``ParameterGatherer._release_one``), with the same limits (the module docstring's last
+paragraph). It costs one more cast of the blocks' weights per backward; "early" folding, whose
+peak is inside the backward, keeps refilled units whole instead.
+
 [Note: when it is off]
 Built only when the whole job is one process (no data, tensor, sequence or pipeline axis), no
 optimizer group is offloaded and no update is delayed, the model is not a ``PipelineModule``,
@@ -65,22 +77,25 @@ def build_one_rank_weights(
     enabled: bool,
     world_size: int,
     delayed_update: bool,
+    free_after_backward: bool = False,
 ) -> OneRankWeights | None:
-    """The freeing for ``module`` when it applies (see [Note: when it is off]), else None."""
+    """The freeing for ``module`` when it applies (see [Note: when it is off]), else None.
+    ``free_after_backward``: the reducer folds at the end of backward ([Note: freed again after
+    the unit's backward])."""
     from partita.pipe import PipelineModule
 
     if not enabled or world_size != 1 or delayed_update or isinstance(module, PipelineModule):
         return None
     if any(g.offloaded or g.aliases_params or g.layout.num_shards != 1 for g in groups):
         return None
-    weights = OneRankWeights(module, groups)
+    weights = OneRankWeights(module, groups, free_after_backward=free_after_backward)
     return weights if weights.num_freeable else None
 
 
 class OneRankWeights:
     """Frees and refills the 16-bit weights of ``module``'s units (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, groups: list[ShardedParamGroup]) -> None:
+    def __init__(self, module: nn.Module, groups: list[ShardedParamGroup], *, free_after_backward: bool = False) -> None:
         self._root = module
         # One shard: a parameter's elements start at its partition offset, unpadded.
         self._master_of = {param: (group, spec) for group in groups
@@ -96,6 +111,14 @@ class OneRankWeights:
             self._hooks.append(unit.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(unit.register_forward_hook(self._post_forward))
         self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.restore()))
+        # [Note: freed again after the unit's backward]: per unit refilled in this backward, its
+        # parameters whose gradient has not been accumulated yet.
+        self._awaiting_grads: dict[nn.Module, set[nn.Parameter]] | None = None
+        if free_after_backward:
+            self._awaiting_grads = {}
+            self._unit_of = {param: unit for unit, params in self._units.items() for param in params}
+            for param in self._unit_of:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     @property
     def num_freeable(self) -> int:
@@ -110,6 +133,8 @@ class OneRankWeights:
         """Refill every freed parameter: the model is whole again."""
         for unit in list(self._freed):
             self._refill(unit)
+        if self._awaiting_grads:
+            self._awaiting_grads.clear()  # units whose parameters got no gradient in that backward
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
@@ -120,6 +145,18 @@ class OneRankWeights:
         """Gradients reached ``unit``'s outputs (``GatherBeforeBackward``): its weights are needed."""
         if unit in self._freed:
             self._refill(unit)
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        unit = self._unit_of[param]
+        waiting = self._awaiting_grads.get(unit)
+        if waiting is None:
+            return  # not refilled in this backward (kept whole in its forward), or already freed again
+        waiting.discard(param)
+        if not waiting:
+            # Every gradient of the unit is in: nothing in this backward reads its weights again
+            # (a recomputation would refill them first, in _pre_forward).
+            del self._awaiting_grads[unit]
+            self._free(unit)
 
     def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
         if not (self._root.training and torch.is_grad_enabled()) or in_backward_pass():
@@ -132,13 +169,16 @@ class OneRankWeights:
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return None  # nothing would bring the weights back before a backward
-        for param in params:
-            param.data.untyped_storage().resize_(0)
-        self._freed.add(unit)
+        self._free(unit)
         self.freed_count += 1
         wrapped = GatherBeforeBackward.apply(self, unit, *tensors)
         replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
         return map_tensors(output, lambda t: replacement.get(id(t), t))
+
+    def _free(self, unit: nn.Module) -> None:
+        for param in self._units[unit]:
+            param.data.untyped_storage().resize_(0)
+        self._freed.add(unit)
 
     @torch.no_grad()
     def _refill(self, unit: nn.Module) -> None:
@@ -150,6 +190,8 @@ class OneRankWeights:
             start = spec.partition_offset
             param.data.copy_(group.master[start : start + spec.numel].view(spec.shape))
         self._freed.discard(unit)
+        if self._awaiting_grads is not None and in_backward_pass() and self._root.training:
+            self._awaiting_grads[unit] = set(self._units[unit])
 
     def remove_hooks(self) -> None:
         self.restore()
