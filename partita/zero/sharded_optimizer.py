@@ -264,6 +264,10 @@ class ShardedOptimizer:
             group.recycle_grad_buffer(grad)
             if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
                 group.fill_upload_copy()
+        # The caller's list held the last references to the on-device partitions: drop them here,
+        # so that the write-back after this (and its cast buffers) does not run beside them
+        # (GPT-1.3B at one rank: 4.9 GiB, the step's peak at micro-batch 1).
+        grads.clear()
 
     def _prepare_update(self, grads: list[torch.Tensor | None], multiplier: float, *, scale_offloaded: bool) -> bool:
         """The start of every update: wait for uploads still reading the masters, put the
