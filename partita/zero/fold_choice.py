@@ -17,8 +17,8 @@ estimate; measured on one H200 23.31 against 26.34, FSDP2's 23.31). "auto" asks 
 estimator for both peaks, which it models block by block for partita's GPT, and takes end only
 where it is lower by at least ``END_MIN_SAVING`` of early's: end costs time where the step is
 bound by Python, not the GPU (the second cast of every block's weights and the fold after
-backward run per parameter: GPT-1.3B, ZeRO-2, micro-batch 1 on one H200, 28.5k tokens/s
-against early's 31.5-33.6k for 22.32 against 23.30 GiB; micro-batch 2, 45.5k against 47.0k
+backward run per parameter: GPT-1.3B, ZeRO-2, micro-batch 1 on one H200, 4-15% fewer tokens/s
+than early on two machines for 22.32 against 23.30 GiB; micro-batch 2, 45.5k against 47.0k
 for 3 GiB less). Every other model gets early, the behaviour before this choice existed.
 """
 
