@@ -102,6 +102,7 @@ class OneRankWeights:
                            for param, spec in zip(group.params, group.layout.specs)}
         self._units = _assign_units(module, _owning_their_storage(module, self._master_of))
         self._freed: set[nn.Module] = set()
+        self._sources: dict[nn.Module, tuple] = {}  # _refill_pairs' cache: masters, their addresses, slices
         # param._version when the master was last written into it (see [Note: when it is off]).
         self._versions: dict[nn.Parameter, int] = {}
         self.synced()
@@ -183,15 +184,30 @@ class OneRankWeights:
     @torch.no_grad()
     def _refill(self, unit: nn.Module) -> None:
         # Through .data: neither the resize nor the copy moves the parameter's version counter,
-        # so autograd's saved references stay valid.
-        for param in self._units[unit]:
-            param.data.untyped_storage().resize_(param.numel() * param.element_size())
-            group, spec = self._master_of[param]
-            start = spec.partition_offset
-            param.data.copy_(group.master[start : start + spec.numel].view(spec.shape))
+        # so autograd's saved references stay valid. One foreach copy from cached views of the
+        # master: this runs twice per unit and step, and at small batches the step is bound by
+        # the host (a slice, a view and a copy per parameter were most of it).
+        targets, sources = self._refill_pairs(unit)
+        for target in targets:
+            target.untyped_storage().resize_(target.numel() * target.element_size())
+        torch._foreach_copy_(targets, sources)
         self._freed.discard(unit)
         if self._awaiting_grads is not None and in_backward_pass() and self._root.training:
             self._awaiting_grads[unit] = set(self._units[unit])
+
+    def _refill_pairs(self, unit: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The unit's parameters' ``.data`` and their slices of the master, shaped alike (the
+        slices cached while the masters are the tensors, at the addresses, they were cut from)."""
+        params = self._units[unit]
+        masters = [self._master_of[param][0].master for param in params]
+        cached = self._sources.get(unit)
+        if cached is None or any(a is not b or a.data_ptr() != ptr for a, b, ptr in zip(cached[0], masters, cached[1])):
+            sources = []
+            for param, master in zip(params, masters):
+                spec = self._master_of[param][1]
+                sources.append(master[spec.partition_offset : spec.partition_offset + spec.numel].view(spec.shape))
+            cached = self._sources[unit] = (masters, [m.data_ptr() for m in masters], sources)
+        return [param.data for param in params], cached[2]
 
     def remove_hooks(self) -> None:
         self.restore()
