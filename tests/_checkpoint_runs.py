@@ -108,12 +108,13 @@ def _train(engine, loader, name: str, steps: range) -> None:
             engine.step()
 
 
-def _full_params(engine) -> dict[str, torch.Tensor]:
+def full_params(engine, *, as_float: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter whole (ZeRO-3 shards gathered), cloned; upcast to fp32 unless ``as_float`` is off."""
     gatherer = engine.zero.gatherer
     sharded = [p for p in engine.module.parameters() if gatherer is not None and gatherer.is_sharded_param(p)]
     if sharded:
         gatherer.gather(sharded)
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    params = {n: (p.detach().float() if as_float else p.detach()).clone() for n, p in engine.module.named_parameters()}
     if sharded:
         gatherer.release(sharded)
     return params
@@ -142,10 +143,10 @@ def straight_runs(root: str) -> dict:
         engine, loader = _build(name, rank_seed=100)
         _train(engine, loader, name, range(K))
         engine.save_checkpoint(f"{root}/{name}", client_state=CLIENT_STATE)  # async for z1 (config)
-        at_k = _full_params(engine)
+        at_k = full_params(engine)
         _train(engine, loader, name, range(K, N))
         engine.save_checkpoint(f"{root}/{name}", async_save=False)
-        out[name] = {"final": _full_params(engine), "at_k": at_k, "state": _state(engine)}
+        out[name] = {"final": full_params(engine), "at_k": at_k, "state": _state(engine)}
     return out
 
 
@@ -163,7 +164,7 @@ def resumed_runs(root: str, jobs: list[ReshardJob]) -> dict:
         assert path == f"{root}/{name}/global_step{K}" and engine.loaded_checkpoint == (path, client_state)
         assert engine.global_steps == K and engine.global_samples == K * GLOBAL_BATCH
         _train(engine, loader, name, range(K, N))
-        out[name] = {"final": _full_params(engine), "state": _state(engine), "client_state": client_state}
+        out[name] = {"final": full_params(engine), "state": _state(engine), "client_state": client_state}
     out["reshard"] = reshard_runs(root, jobs)
 
     engine, _ = _build("z2_fp32", _config(2, tag_validation="Fail", handshake_timeout_seconds=1.5))
@@ -218,7 +219,7 @@ def reshard_runs(root: str, jobs: list[ReshardJob]) -> dict:
         if resave is not None:
             engine.save_checkpoint(f"{root}/{resave}")  # tag global_step{K} again
         _train(engine, loader, name, range(K, N))
-        out[key] = _full_params(engine)
+        out[key] = full_params(engine)
     return out
 
 
@@ -264,12 +265,12 @@ def world_one_checks(root: str, jobs: list[ReshardJob]) -> dict:
     # DeepSpeed's partial loads. Weights only: no optimizer state, counters or scheduler, but the client_state.
     fresh, _ = _build("z2_fp32")
     _, client_state = fresh.load_checkpoint(f"{root}/z2_fp32", tag=f"global_step{K}", load_module_only=True)
-    out["module_only"] = (_full_params(fresh), fresh.global_steps, len(fresh.optimizer.inner.state),
+    out["module_only"] = (full_params(fresh), fresh.global_steps, len(fresh.optimizer.inner.state),
                           fresh.lr_scheduler.last_epoch, client_state)
     # No optimizer state: weights (from the fp32 masters), counters and scheduler are restored.
     fresh, _ = _build("z2_fp32")
     fresh.load_checkpoint(f"{root}/z2_fp32", load_optimizer_states=False)  # latest: global_step5
-    out["no_optimizer"] = (_full_params(fresh), fresh.global_steps, len(fresh.optimizer.inner.state),
+    out["no_optimizer"] = (full_params(fresh), fresh.global_steps, len(fresh.optimizer.inner.state),
                            fresh.lr_scheduler.last_epoch, fresh.get_lr())
     # No scheduler state: it starts over, while the optimizer (its hyperparameters included) is restored.
     fresh, _ = _build("z2_fp32")
@@ -320,6 +321,6 @@ def world_one_checks(root: str, jobs: list[ReshardJob]) -> dict:
             _train(engine, None, "z2_fp32", range(K))
             engine.save_checkpoint(f"{root}/eight_bit")
         _train(engine, None, "z2_fp32", range(K, N))
-        runs.append((_full_params(engine), _state(engine)))
+        runs.append((full_params(engine), _state(engine)))
     out["eight_bit"] = runs
     return out

@@ -21,6 +21,7 @@ from torch import nn
 
 from partita.checkpoint.state_layout import classify_state
 from partita.optim.eight_bit import BLOCK_SIZE
+from tests._checkpoint_runs import full_params
 from tests.harness import run_distributed
 
 K, N, GLOBAL_BATCH = 3, 5, 8
@@ -99,17 +100,6 @@ def _train(engine, steps: range) -> None:
         engine.step()
 
 
-def _full_params(engine) -> dict[str, torch.Tensor]:
-    gatherer = engine.zero.gatherer
-    sharded = [p for p in engine.module.parameters() if gatherer is not None and gatherer.is_sharded_param(p)]
-    if sharded:
-        gatherer.gather(sharded)
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    if sharded:
-        gatherer.release(sharded)
-    return params
-
-
 def _param_states(engine) -> dict[str, dict]:
     """Per parameter element range this rank owns: the dequantised moments, the codes and the
     scales of its blocks (bitsandbytes' own dequantisation)."""
@@ -156,17 +146,17 @@ def _load(root: str, stage: int):
     engine.load_checkpoint(root, tag=f"global_step{K}")
     loaded = {"states": _param_states(engine), "partitions": _partitions(engine), "steps": engine.global_steps}
     _train(engine, range(K, N))
-    return {**loaded, "final": _full_params(engine)}
+    return {**loaded, "final": full_params(engine, as_float=False)}
 
 
 def save_then_reload_at_stage3(root: str) -> dict:
     """World 2: the uninterrupted stage-2 run (saving at step K), then a stage-3 engine loads it."""
     engine = _build(2)
     _train(engine, range(K))
-    saved = {"states": _param_states(engine), "partitions": _partitions(engine), "at_k": _full_params(engine)}
+    saved = {"states": _param_states(engine), "partitions": _partitions(engine), "at_k": full_params(engine, as_float=False)}
     engine.save_checkpoint(root)
     _train(engine, range(K, N))
-    straight = {**saved, "final": _full_params(engine)}
+    straight = {**saved, "final": full_params(engine, as_float=False)}
     return {"straight": straight, "stage3": _load(root, 3)}
 
 
