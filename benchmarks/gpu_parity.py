@@ -13,6 +13,7 @@ side streams, pinned staging, host masters feeding NCCL), ``--compile`` torch.co
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,9 @@ NVME_PATH = "/tmp/partita-parity-nvme"
 def variants(stages: list[int], *, offload: bool, compile_blocks: bool) -> list[tuple[int, str, dict, dict]]:
     """(stage, name, extra zero_optimization keys, extra top-level keys) to check."""
     out = [(stage, "plain", {}, {}) for stage in stages]
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # One process: the step reads param.grad range by range, no gradient partition (streamed_step.py).
+        out += [(stage, "stream", {"one_rank_gradient_fold": "stream"}, {}) for stage in stages]
     if offload:
         cpu = {"offload_optimizer": {"device": "cpu"}}
         nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": NVME_PATH, "pipeline_read": True,
@@ -102,6 +106,8 @@ def main() -> int:
     for precision, tol in (("fp32", 1e-5), ("bf16", 0.05)):
         for stage, name, zero_extra, top_extra in checks:
             for gas in (1, 2):
+                if name == "stream" and stage >= 2 and gas > 1:
+                    continue  # refused: stages 2-3 sum micro-batches in fp32, "stream" in param.grad
                 try:
                     got = run(stage, gas, precision, zero_extra, top_extra)
                 except Exception as error:  # noqa: BLE001 - report every variant, then fail

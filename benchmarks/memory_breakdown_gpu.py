@@ -22,8 +22,9 @@ partita rows also carry the estimator's peak (``partita estimate``) for the same
     python benchmarks/memory_breakdown_gpu.py --tiny        # CPU: the same logic, no GPU
 
 ``partitaN-kept`` runs stage N with ``zero_optimization.one_rank_free_weights`` off (the whole
-bf16 replica kept, as before that key), for an A/B of it in one run. ``partitaN-early`` and
-``partitaN-end`` fix ``zero_optimization.one_rank_gradient_fold`` (plain ``partitaN``: "auto"):
+bf16 replica kept, as before that key), for an A/B of it in one run. ``partitaN-early``,
+``partitaN-end`` and ``partitaN-stream`` fix ``zero_optimization.one_rank_gradient_fold`` (plain
+``partitaN``: "auto"):
 
     python benchmarks/memory_breakdown_gpu.py --micro-batch 2 --engines partita2-early,partita2-end,fsdp2
 
@@ -213,9 +214,9 @@ def run_setting(args: argparse.Namespace) -> dict[str, Any]:
 
         # "partitaN-kept": stage N with zero_optimization.one_rank_free_weights off (the whole bf16
         # replica kept through forward and backward, as before it existed).
-        # "partitaN-early" / "-end": one_rank_gradient_fold fixed (plain: "auto", decided by the estimate).
+        # "partitaN-early" / "-end" / "-stream": one_rank_gradient_fold fixed (plain: "auto", decided by the estimate).
         name, kept = args.worker.removesuffix("-kept"), args.worker.endswith("-kept")
-        fold = next((f for f in ("early", "end") if name.endswith("-" + f)), "auto")
+        fold = next((f for f in ("early", "end", "stream") if name.endswith("-" + f)), "auto")
         name = name.removesuffix("-" + fold)
         stage = int(name.removeprefix("partita"))
         cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,

@@ -152,7 +152,8 @@ def initialize(
     check_host_capacity(cfg, model, param_groups, world_size=topology.zero_size,
                         batch_world_size=topology.data_size, device=device, client_optimizer=optimizer)
     # One process: fold each gradient as it arrives or after backward, whichever peaks lower.
-    cfg = resolve_gradient_fold(cfg, model, param_groups, world_size=topology.zero_size, client_optimizer=optimizer)
+    cfg = resolve_gradient_fold(cfg, model, param_groups, world_size=topology.zero_size, client_optimizer=optimizer,
+                                gradient_accumulation_steps=batch.gradient_accumulation_steps)
 
     zero = apply_zero(
         model,

@@ -204,7 +204,8 @@ class Setup:
     grad_accum_dtype: str | None = None
     activation_bytes: int | None = None
     one_rank_free_weights: bool = True
-    fold_gradients_at_end: bool = False  # zero_optimization.one_rank_gradient_fold "end" (one rank, no offload)
+    fold_gradients_at_end: bool = False  # zero_optimization.one_rank_gradient_fold "end" or "stream" (one rank, no offload)
+    streamed_step: bool = False  # one_rank_gradient_fold "stream": no fp32 partition, param.grad held into the step
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpointing, str):
@@ -344,7 +345,8 @@ class Setup:
             "aio_block_size": cfg.aio.block_size,
             "stage3_max_reuse_distance": zero.stage3_max_reuse_distance,
             "one_rank_free_weights": zero.one_rank_free_weights,
-            "fold_gradients_at_end": zero.one_rank_gradient_fold == "end",
+            "fold_gradients_at_end": zero.one_rank_gradient_fold in ("end", "stream"),
+            "streamed_step": zero.one_rank_gradient_fold == "stream",
             "offload_optimizer": zero.offload_optimizer.device,
             "offload_ratio": zero.offload_optimizer.ratio,
             "offload_tiers": (zero.offload_optimizer.tiers.fractions.as_tuple()

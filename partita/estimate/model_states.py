@@ -58,6 +58,7 @@ import math
 from partita.estimate.groups import ZeroGroup, alignment_of, zero_groups
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
+from partita.zero.streamed_step import CHUNK_NUMEL as STREAM_CHUNK_NUMEL
 from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, WRITE_BACK, Line
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT
 from partita.optim.eight_bit import BLOCK_SIZE
@@ -112,6 +113,11 @@ def fp32_sums_active(setup: Setup) -> bool:
 def holds_grads_across_micro_batches(setup: Setup) -> bool:
     """Stages 0/1 reduce only at the accumulation boundary: param.grad lives through the next forward."""
     return setup.stage <= 1 and setup.gradient_accumulation_steps > 1 and not fp32_sums_active(setup)
+
+
+def streams_step(setup: Setup, host_groups: list[ZeroGroup]) -> bool:
+    """``one_rank_gradient_fold "stream"`` applies: one rank, nothing offloaded (streamed_step.py)."""
+    return setup.streamed_step and setup.world_size == 1 and not host_groups
 
 
 def frees_block_weights(setup: Setup, groups: list[ZeroGroup]) -> bool:
@@ -200,8 +206,10 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
             lines.append(Line("parameters", f"{setup.dtype} parameters outside the blocks",
                               "accelerator", d * (_sum(plain, lambda g: sum(p.numel for p in g.params)) - blocks)))
             # With one_rank_gradient_fold "end" each block's are freed again after its backward and
-            # come back after finish_backward ([Note: freed again after the unit's backward]).
-            phases = {BACKWARD, STEP, WRITE_BACK} | (set() if setup.fold_gradients_at_end else {END_BACKWARD})
+            # come back after finish_backward ([Note: freed again after the unit's backward]); with
+            # "stream" only in the step's write-back (streamed_step.py).
+            phases = {BACKWARD, WRITE_BACK} | (set() if setup.fold_gradients_at_end else {END_BACKWARD})
+            phases |= set() if setup.streamed_step else {STEP}
             lines.append(Line("parameters", f"{setup.dtype} block parameters (freed from forward to backward)",
                               "accelerator", d * blocks, frozenset(phases),
                               note="cast back from the fp32 master before each block's backward",
@@ -229,9 +237,15 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     if setup.world_size == 1 and setup.fold_gradients_at_end and not host_groups and \
             not holds_grads_across_micro_batches(setup):
         partition_phases = frozenset({END_BACKWARD, STEP})  # allocated by finish_backward
-    if device_groups:
+    streamed = streams_step(setup, host_groups)
+    if device_groups and not streamed:
         lines.append(Line("gradients", "fp32 gradient partition", "accelerator", 4 * partition(device_groups),
                           partition_phases, kind="grad_partition"))
+    if streamed:
+        # StreamedAdam._step_group: one fp32 buffer of a range of the group's master at a time.
+        widest = max(min(STREAM_CHUNK_NUMEL, g.partition_numel) for g in device_groups)
+        lines.append(Line("buffers", "fp32 gradient range of the streamed step", "accelerator", 4 * widest,
+                          frozenset({STEP}), note="one_rank_gradient_fold \"stream\""))
     if host_groups:
         # A (pinned) host buffer reused from step to step, not freed between them
         # (ShardedParamGroup: [Note: offloaded gradient partitions]).
@@ -254,7 +268,9 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         kept = trainable if setup.fold_gradients_at_end and not host_groups else 0
     if (setup.world_size == 1 or held) and kept:
         phases = {BACKWARD} | ({START_BACKWARD} if held else set()) | ({END_BACKWARD} if setup.world_size == 1 else set())
-        why = "held across micro-batches" if held else "kept until the end of backward (one rank)"
+        phases |= {STEP} if streamed else set()  # each freed once the step has read it
+        why = ("held across micro-batches" if held else "read by the optimizer step (one rank, stream)" if streamed
+               else "kept until the end of backward (one rank)")
         lines.append(Line("gradients", f"full-size {setup.dtype} gradients (param.grad)", "accelerator", d * kept,
                           frozenset(phases), note=why, kind="full_grads"))
     if fp32_sums_active(setup):

@@ -24,6 +24,7 @@ from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
 from partita.zero.shard_group import ShardComm, ShardedParamGroup
 from partita.zero.sharded_optimizer import ShardedOptimizer
+from partita.zero.streamed_step import StreamedAdam
 from partita.tensor_parallel.layers import replicated_elsewhere
 
 InnerOptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -168,6 +169,7 @@ def apply_zero(
         accumulate_in_fp32=accumulate_in_fp32,
         download_during_backward=offload.enabled,
         fold_at_end=config.one_rank_gradient_fold == "end",
+        streamed=config.one_rank_gradient_fold == "stream",
     )
     gatherer = None
     if policy.shard_parameters:
@@ -192,13 +194,32 @@ def apply_zero(
         one_rank = build_one_rank_weights(module, groups, enabled=config.one_rank_free_weights,
                                           world_size=topology.world_size,
                                           delayed_update=offload.enabled and offload.delayed_param_update,
-                                          free_after_backward=config.one_rank_gradient_fold == "end")
+                                          free_after_backward=config.one_rank_gradient_fold == "end",
+                                          freed_through_step=config.one_rank_gradient_fold == "stream")
         if one_rank is not None:
             optimizer.after_write_back.append(one_rank.synced)
+    if config.one_rank_gradient_fold == "stream":
+        optimizer.streamed = _streamed_step(groups, inner, one_rank)
     forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now
     state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer, one_rank_weights=one_rank)
     register_owner((p for g in groups for p in g.params), state)
     return state
+
+
+def _streamed_step(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer,
+                   one_rank: OneRankWeights | None) -> StreamedAdam:
+    """``one_rank_gradient_fold "stream"`` (streamed_step.py), refused where torch's fused Adam/AdamW
+    is not the inner optimizer (the one kernel it steps ranges with)."""
+    fused = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in inner.param_groups)
+    if not fused:
+        raise ConfigError(
+            f'zero_optimization.one_rank_gradient_fold "stream" steps with torch\'s fused Adam/AdamW kernel; the '
+            f"optimizer here is {type(inner).__module__}.{type(inner).__name__}"
+            f"{'' if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) else ' without fused=True'}. Use optimizer "
+            'type Adam or AdamW (with params.fused true, or unset where torch has the kernel), or '
+            'one_rank_gradient_fold "auto"'
+        )
+    return StreamedAdam(groups, inner, one_rank)
 
 
 def _comm_split(

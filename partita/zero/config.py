@@ -136,7 +136,7 @@ class ZeroConfig(StrictSection):
             "block's weights outside that block's forward."
         ),
     )
-    one_rank_gradient_fold: Literal["auto", "early", "end"] = Field(
+    one_rank_gradient_fold: Literal["auto", "early", "end", "stream"] = Field(
         "auto",
         description=(
             "partita-only. One process, no optimizer offload: when each gradient is folded into the fp32 "
@@ -144,7 +144,12 @@ class ZeroConfig(StrictSection):
             "gradient on); \"end\": after backward (every param.grad is held until then, the partition "
             "allocated only then). The values are the same bit for bit; only the peak differs: early wins "
             "when activations are checkpointed or the micro-batch is large, end when activations still "
-            "alive early in backward outweigh the full-size gradients. \"auto\": the lower of the two "
+            "alive early in backward outweigh the full-size gradients. \"stream\": no fp32 partition at "
+            "all: the optimizer step reads param.grad range by range (4 bytes per parameter off the peak); "
+            "needs torch's fused Adam or AdamW, no offload, and gradient_accumulation_steps 1 at stages 2-3; "
+            "values are bitwise the other rules' except that the global norm is summed per gradient, so a "
+            "clip coefficient can differ in its last bits; between engine.backward and engine.step the "
+            "blocks' 16-bit weights stay freed, as at ZeRO-3. \"auto\": the lower of the early and end "
             "peaks by partita estimate for partita's GPT, early for other models."
         ),
     )
@@ -185,12 +190,19 @@ class ZeroConfig(StrictSection):
                 "offload_param needs ZeRO stage 3 (only stage 3 shards parameters); set "
                 "zero_optimization.stage to 3, or offload_param.device to \"none\"",
             )
-        if self.one_rank_gradient_fold == "end" and self.offload_optimizer.enabled:
+        if self.one_rank_gradient_fold in ("end", "stream") and self.offload_optimizer.enabled:
             raise PydanticCustomError(
                 "one_rank_gradient_fold",
-                "one_rank_gradient_fold \"end\" holds every param.grad on the accelerator until the end of "
+                "one_rank_gradient_fold \"{fold}\" holds every param.grad on the accelerator until the end of "
                 "backward; with offload_optimizer the gradients go to the host as they arrive instead. Remove "
                 "one_rank_gradient_fold or set it to \"auto\"",
+                {"fold": self.one_rank_gradient_fold},
+            )
+        if self.one_rank_gradient_fold == "stream" and self.offload_param.enabled:
+            raise PydanticCustomError(
+                "one_rank_gradient_fold",
+                "one_rank_gradient_fold \"stream\" steps the optimizer on the accelerator from param.grad and "
+                "is not built for offload_param; remove offload_param or use one_rank_gradient_fold \"auto\"",
             )
         if self.offload_param.gather_from_master:
             host_master = self.offload_optimizer.device in ("cpu", "auto")

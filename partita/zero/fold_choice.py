@@ -42,13 +42,17 @@ END_MIN_SAVING = 0.05
 
 def resolve_gradient_fold(
     cfg: Any, model: nn.Module, param_groups: list[dict], *, world_size: int, client_optimizer: Any = None,
+    gradient_accumulation_steps: int = 1,
 ) -> Any:
-    """``cfg`` with ``one_rank_gradient_fold`` "auto" decided ("early" or "end")."""
+    """``cfg`` with ``one_rank_gradient_fold`` "auto" decided ("early" or "end"); "stream" checked
+    against what it needs (:func:`check_streamed_step`)."""
     zero = cfg.zero_optimization
+    job_world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if zero.one_rank_gradient_fold == "stream":
+        check_streamed_step(cfg, model, job_world=job_world, gradient_accumulation_steps=gradient_accumulation_steps)
     if zero.one_rank_gradient_fold != "auto":
         return cfg
     choice = "early"
-    job_world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world_size == 1 and job_world == 1 and not zero.offload_optimizer.enabled:
         peaks = _peaks(cfg, model, param_groups, client_optimizer)
         if peaks is not None and peaks["end"] <= (1 - END_MIN_SAVING) * peaks["early"]:
@@ -76,3 +80,27 @@ def _peaks(cfg: Any, model: nn.Module, param_groups: list[dict], client_optimize
     except Exception as error:  # noqa: BLE001 - the choice must never stop a run; early is the safe default
         logger.info("one_rank_gradient_fold \"auto\": kept \"early\" (the estimator cannot size this setup: %s)", error)
         return None
+
+
+def check_streamed_step(cfg: Any, model: nn.Module, *, job_world: int, gradient_accumulation_steps: int) -> None:
+    """Refuse ``one_rank_gradient_fold "stream"`` where the streamed step (streamed_step.py) does not
+    apply, naming the fix (the optimizer's fused kernel is checked once it is built, in apply_zero)."""
+    from partita.config.base import ConfigError
+    from partita.pipe import PipelineModule
+
+    key = 'zero_optimization.one_rank_gradient_fold "stream"'
+    if job_world != 1:
+        raise ConfigError(f"{key} steps from every param.grad of one process; this job has {job_world} processes. "
+                          "Remove one_rank_gradient_fold or set it to \"auto\"")
+    if isinstance(model, PipelineModule):
+        raise ConfigError(f"{key} is not built for a PipelineModule; use one_rank_gradient_fold \"auto\"")
+    stage = cfg.zero_optimization.stage
+    if stage >= 2 and gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"{key} keeps gradients in param.grad, in the model's dtype, while ZeRO stage {stage} sums micro-batches "
+            f"in fp32; with gradient_accumulation_steps {gradient_accumulation_steps} the sums would differ. Use "
+            "gradient_accumulation_steps 1, ZeRO stage 0 or 1 (which accumulate in param.grad anyway), or "
+            "one_rank_gradient_fold \"auto\"")
+    if cfg.data_types.grad_accum_dtype == "fp32" and cfg.precision != "fp32":
+        raise ConfigError(f"{key} keeps gradients in param.grad, in the model's dtype; data_types.grad_accum_dtype "
+                          "\"fp32\" asks for fp32 sums. Remove one of the two")

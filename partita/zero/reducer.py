@@ -118,6 +118,7 @@ class GradientReducer:
         accumulate_in_fp32: bool = False,
         download_during_backward: bool = False,
         fold_at_end: bool = False,
+        streamed: bool = False,
     ) -> None:
         self._groups = groups
         # One rank, offloaded groups: send each gradient to the host as backward makes it
@@ -127,7 +128,10 @@ class GradientReducer:
         self._download_during_backward = download_during_backward
         # One rank, on-device groups: hold each param.grad until finish_backward instead of
         # folding it in as it arrives (zero_optimization.one_rank_gradient_fold "end").
-        self._fold_at_end = fold_at_end
+        self._fold_at_end = fold_at_end or streamed
+        # zero_optimization.one_rank_gradient_fold "stream": never fold; the optimizer step reads
+        # param.grad itself (streamed_step.py [Note: the streamed step]).
+        self._streamed = streamed
         self._process_group = process_group
         self._world_size = world_size  # what every gradient is averaged over (the ZeRO world)
         default = ShardComm(process_group, world_size, dist.get_rank(process_group) if world_size > 1 else 0)
@@ -358,6 +362,9 @@ class GradientReducer:
             for i in sorted(bucket.pending):
                 entry = bucket.entries[i]
                 param = self._groups[entry.group].params[entry.spec.index]
+                if self._streamed:
+                    self._received[entry.group][entry.spec.index] |= param.grad is not None
+                    continue
                 # Gradients accumulated by earlier micro-batches but untouched by this
                 # backward still count (stage 0/1 windows); the rest are zeros.
                 self._pack(bucket, i, self._take_grad(param))

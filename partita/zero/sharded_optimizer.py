@@ -33,6 +33,7 @@ from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 if TYPE_CHECKING:
     from partita.offload.nvme_optimizer import SwappedOptimizerStates
     from partita.offload.overlapped_step import OverlappedStep
+    from partita.zero.streamed_step import StreamedAdam
 
 
 # Optimizer-state keys of block-wise (8-bit) optimizers; see partita/optim/eight_bit.py.
@@ -108,6 +109,9 @@ class ShardedOptimizer:
         # offload_optimizer.overlap_step_with_forward: the exact step runs on beside the next
         # forward (partita/offload/overlapped_step.py); set by apply_zero.
         self.overlapped: OverlappedStep | None = None
+        # zero_optimization.one_rank_gradient_fold "stream": no gradient partition; the step reads
+        # param.grad range by range (partita/zero/streamed_step.py); set by apply_zero.
+        self.streamed: StreamedAdam | None = None
         # Model parallelism (tensor axis): the global norm sums over the ranks holding different
         # parts of the model too, and a parameter every tensor rank holds whole (a LayerNorm) is
         # counted on one of them only: ``uncounted_params`` are this rank's such copies, and these
@@ -215,6 +219,8 @@ class ShardedOptimizer:
         :meth:`finish_pending_step`): the next micro-batches run on weights one update old.
         """
         self.finish_pending_step(into_forward=True)
+        if self.streamed is not None:
+            return self._streamed_step(loss_scale, received, after)
         norm_sq, used = self._reduce_norm_and_usage(received)
         norm = math.sqrt(norm_sq) / loss_scale
         if not math.isfinite(norm):
@@ -236,6 +242,29 @@ class ShardedOptimizer:
         else:
             self._apply_update(grads, multiplier, used)
             self.write_back_params()
+        if after is not None:
+            after()
+        return StepResult(applied=True, grad_norm=norm)
+
+    def _streamed_step(self, loss_scale: float, used: list[list[bool]], after: Callable[[], None] | None) -> StepResult:
+        """:meth:`step` at one process without a gradient partition (streamed_step.py): the same
+        norm, skip, clip and unused-parameter rules; stages 0-2 write back by plain copies."""
+        norm = math.sqrt(self.streamed.grad_norm_sq()) / loss_scale
+        if not math.isfinite(norm):
+            self.streamed.discard()
+            return StepResult(applied=False, grad_norm=norm)
+        multiplier = 1.0 / loss_scale
+        if self._clip > 0:
+            multiplier *= min(1.0, self._clip / (norm + 1e-6))  # as in step()
+        kept = self._save_unused(used)
+        self.streamed.step(multiplier)
+        self._restore_unused(kept)
+        if self.param_store is not None:
+            self.write_back_params()  # ZeRO-3: the shards follow the master
+        else:
+            self.streamed.write_back()
+            for listener in self.after_write_back:
+                listener()
         if after is not None:
             after()
         return StepResult(applied=True, grad_norm=norm)

@@ -1,0 +1,177 @@
+"""One process, fused Adam/AdamW: the optimizer step reads the gradients from ``param.grad`` and
+the fp32 gradient partition is never built (``zero_optimization.one_rank_gradient_fold "stream"``).
+
+[Note: the streamed step]
+Why: at one rank the fp32 gradient partition (4 bytes per parameter) is the largest thing that
+exists only for the step. Folding early puts it beside the activations backward has not freed
+yet; folding at the end puts it beside every full-size ``param.grad``. Either way it is on the
+peak: GPT-1.3B at micro-batch 1 peaked 2.1 GiB above FSDP2, whose fp32 gradients are made per
+parameter as backward reaches them. Here the model-dtype ``param.grad``s (2 bytes per parameter)
+are the only gradients: the reducer leaves them where autograd put them (as "end" does), the
+global norm is summed over them, and the step walks each group's flat fp32 master in ranges of
+``CHUNK_NUMEL`` elements. For each range it casts the gradients covering it into one fp32 buffer
+(the cast the fold would have made into the partition; zeros where a parameter got no gradient),
+steps master, ``exp_avg`` and ``exp_avg_sq`` over that range with torch's fused Adam/AdamW
+(``torch.optim.adam.adam``, ``fused=True``), and frees each ``param.grad`` it has finished with.
+The peak of the step is then the model-dtype gradients plus one buffer, instead of the partition
+plus (at the end fold) those gradients.
+
+Why flat ranges and not one tensor per parameter: torch's CPU kernel computes the last
+``numel % vector width`` elements of each tensor on a scalar path that rounds differently, so
+per-parameter tensors would not be bitwise the flat step. Ranges starting at multiples of
+``CHUNK_NUMEL`` (a power of two) put every element in the same lane as the flat step does, and
+each element's update is then bitwise the partition's (tests/test_streamed_step.py). The step
+counter and the moments are torch's own (``inner.state[master]``, created on the first step as
+``Adam._init_group`` does), so checkpoints are those of the other rules and load under any of them.
+
+The one difference: the global norm is summed per gradient (``torch._foreach_norm``), not over the
+flat fp32 partition, so it can differ in its last bits, and so can the clip coefficient when
+clipping is active. With clipping inactive (or off) the run is bitwise the other rules'.
+
+With the blocks' 16-bit weights freed again after their backward (one_rank_weights.py [Note:
+freed again after the unit's backward]) they stay freed through the step, and the write-back after
+it is their refill: one ``torch._foreach_copy_`` per group from the new master, no cast buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam
+
+from partita.zero.one_rank_weights import OneRankWeights
+from partita.zero.shard_group import ShardedParamGroup
+
+__all__ = ["CHUNK_NUMEL", "StreamedAdam"]
+
+CHUNK_NUMEL = 1 << 24
+"""Master elements stepped per fused call (a power of two, see the note): a 64 MiB fp32 buffer."""
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch's fused Adam keeps ``state["step"]`` in (``Adam._init_group``)."""
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        return _get_scalar_dtype(is_fused=True)
+    except (ImportError, TypeError):  # private helper; its rule: float32 unless the default is float64
+        return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class StreamedAdam:
+    """Steps ``inner`` (a fused torch Adam/AdamW over one flat master per group) from the model's
+    ``param.grad`` in fp32 ranges (see the module docstring)."""
+
+    def __init__(self, groups: list[ShardedParamGroup], inner: torch.optim.Optimizer,
+                 weights: OneRankWeights | None) -> None:
+        self._groups = groups
+        self._inner = inner
+        self._weights = weights  # stages 0-2: blocks freed after their backward, refilled by write_back
+        self._decoupled = isinstance(inner, torch.optim.AdamW)
+        self._sources: list[tuple | None] = [None] * len(groups)  # write_back's cached master views
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for group in self._groups for p in group.params if p.grad is not None]
+
+    def grad_norm_sq(self) -> float:
+        """The squared global L2 norm of the (still scaled) gradients, summed per gradient in fp32."""
+        grads = self.grads()
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return float(torch.stack(norms).square().sum())
+
+    def discard(self) -> None:
+        """A skipped step (inf/nan): drop the gradients and bring the freed weights back."""
+        for group in self._groups:
+            for param in group.params:
+                param.grad = None
+        if self._weights is not None:
+            self._weights.restore()
+
+    @torch.no_grad()
+    def step(self, multiplier: float) -> None:
+        """One Adam/AdamW step of every group that got a gradient; ``multiplier`` (unscale and
+        clip) goes into the kernel as torch's ``grad_scale`` divisor, as the flat step does."""
+        grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32) if multiplier != 1.0 else None
+        for group, options in zip(self._groups, self._inner.param_groups):
+            if any(p.grad is not None for p in group.params):  # else torch skips the group (master.grad None)
+                self._step_group(group, options, grad_scale)
+
+    def _step_group(self, group: ShardedParamGroup, options: dict, grad_scale: torch.Tensor | None) -> None:
+        master = group.master
+        state = self._state(master, options)
+        amsgrad = options["amsgrad"]
+        numel = master.numel()
+        buffer = torch.empty(min(CHUNK_NUMEL, numel), dtype=torch.float32, device=master.device)
+        chunk_step = torch.empty_like(state["step"])
+        specs = group.layout.specs
+        first = 0  # the first spec not wholly stepped yet
+        for lo in range(0, numel, CHUNK_NUMEL):
+            hi = min(lo + CHUNK_NUMEL, numel)
+            grad = buffer[: hi - lo]
+            filled = lo
+            i = first
+            while i < len(specs) and specs[i].partition_offset < hi:
+                spec = specs[i]
+                start, end = max(lo, spec.partition_offset), min(hi, spec.partition_offset + spec.numel)
+                if start > filled:
+                    grad[filled - lo : start - lo].zero_()  # layout padding
+                param = group.params[spec.index]
+                if end > start:
+                    piece = grad[start - lo : end - lo]
+                    if param.grad is None:
+                        piece.zero_()  # stepped as zeros and restored (ShardedOptimizer._restore_unused)
+                    else:
+                        offset = start - spec.partition_offset
+                        piece.copy_(param.grad.reshape(-1)[offset : offset + (end - start)])
+                    filled = end
+                if spec.partition_offset + spec.numel > hi:
+                    break  # continues in the next range
+                param.grad = None  # wholly in the buffers stepped so far: free it
+                i += 1
+            first = i
+            if filled < hi:
+                grad[filled - lo :].zero_()
+            chunk_step.copy_(state["step"])  # adam() adds one: each range steps with the group's next count
+            adam(
+                [master[lo:hi]], [grad], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]],
+                [state["max_exp_avg_sq"][lo:hi]] if amsgrad else [], [chunk_step],
+                capturable=options["capturable"], differentiable=False, fused=True, grad_scale=grad_scale,
+                found_inf=None, has_complex=False,
+                decoupled_weight_decay=options.get("decoupled_weight_decay", self._decoupled),
+                amsgrad=amsgrad, beta1=options["betas"][0], beta2=options["betas"][1], lr=options["lr"],
+                weight_decay=options["weight_decay"], eps=options["eps"], maximize=options["maximize"],
+            )
+        state["step"].add_(1)
+
+    def _state(self, master: torch.Tensor, options: dict) -> dict:
+        """torch's state of ``master``, created as ``Adam._init_group`` does on its first step."""
+        state = self._inner.state[master]
+        if not state:
+            state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=master.device)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            if options["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Stages 0-2: the new master into the model, the freed blocks' storage given back first."""
+        if self._weights is not None:
+            self._weights.reallocate_freed()
+        for g, group in enumerate(self._groups):
+            if group.aliases_params:
+                continue  # the parameters are views of the master
+            targets, sources = self._copy_pairs(g, group)
+            torch._foreach_copy_(targets, sources)
+
+    def _copy_pairs(self, g: int, group: ShardedParamGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The group's parameters' ``.data`` and their master views (cached while the master is
+        the tensor, at the address, they were cut from: a checkpoint load may replace it)."""
+        master = group.master
+        cached = self._sources[g]
+        if cached is None or cached[0] is not master or cached[1] != master.data_ptr():
+            sources = [master[s.partition_offset : s.partition_offset + s.numel].view(s.shape) for s in group.layout.specs]
+            cached = self._sources[g] = (master, master.data_ptr(), sources)
+        return [group.params[s.index].data for s in group.layout.specs], cached[2]
