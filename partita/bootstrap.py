@@ -153,7 +153,7 @@ def initialize(
                         batch_world_size=topology.data_size, device=device, client_optimizer=optimizer)
     # One process: fold each gradient as it arrives or after backward, whichever peaks lower.
     cfg = resolve_gradient_fold(cfg, model, param_groups, world_size=topology.zero_size, client_optimizer=optimizer,
-                                gradient_accumulation_steps=batch.gradient_accumulation_steps)
+                                gradient_accumulation_steps=batch.gradient_accumulation_steps, device_type=device.type)
 
     zero = apply_zero(
         model,
