@@ -68,6 +68,8 @@ def partita_config(spec: dict, cuda: bool) -> dict:
                                  "gather_from_master": bool(options.get("param_gather_from_master", False))}
     if "sub_group_size" in options:
         zero["sub_group_size"] = options["sub_group_size"]
+    if options.get("streamed_step"):
+        zero["one_rank_gradient_fold"] = "stream"
     return {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "steps_per_print": 10**9,

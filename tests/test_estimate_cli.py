@@ -51,7 +51,9 @@ def test_cli_table_and_json(capsys, tmp_path):
     assert "ZeRO stage 2, world size 2" in out and "fp32 master weights" in out and "peak" in out
     code, out, _ = _cli(capsys, "--model", "tiny", "--json")
     data = json.loads(out)
-    assert code == 0 and data["peak_accelerator_bytes"] == estimate_memory(GPTShape.preset("tiny")).peak_accelerator
+    # No --config: one rank, AdamW, nothing offloaded, which "auto" runs with the streamed step.
+    streamed = Setup(fold_gradients_at_end=True, streamed_step=True)
+    assert code == 0 and data["peak_accelerator_bytes"] == estimate_memory(GPTShape.preset("tiny"), streamed).peak_accelerator
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
                                   "zero_optimization": {"stage": 3}}))

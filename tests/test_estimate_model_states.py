@@ -47,6 +47,13 @@ def _storage_bytes(tensors, skip: set[int] = frozenset()) -> tuple[int, set[int]
     return sum(seen.values()), set(seen)
 
 
+def _chosen_fold(engine) -> dict:
+    """The estimator's options for the one-rank gradient fold initialize chose ("auto": stream where
+    it applies, else by the estimate): what runs is what is estimated."""
+    fold = engine.config.zero_optimization.one_rank_gradient_fold
+    return {"fold_gradients_at_end": fold in ("end", "stream"), "streamed_step": fold == "stream"}
+
+
 def _grad_partition(group):
     # The fp32 gradient partition (named master.grad before ZeRO-Offload split it off).
     return group.grad_partition if hasattr(group, "grad_partition") else group.master.grad
@@ -132,9 +139,7 @@ def measure_model_states(cases: list[tuple[int, str, str, int, dict | None]], nv
         groups = model.optimizer_param_groups(0.1)
         info = model_info(model, param_groups=groups)
         engine, _, _, _ = partita.initialize(model=model, model_parameters=groups, config=cfg)
-        # The one-rank gradient fold initialize chose ("auto": by the estimate) is what runs.
-        end = engine.config.zero_optimization.one_rank_gradient_fold == "end"
-        estimate = estimate_memory(info, Setup.from_config(cfg, world_size=world, fold_gradients_at_end=end))
+        estimate = estimate_memory(info, Setup.from_config(cfg, world_size=world, **_chosen_fold(engine)))
         reducer = engine.zero.reducer
         held = [0]
         original_finish = reducer.finish_backward
@@ -329,9 +334,7 @@ def measure_total() -> tuple[int, int]:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2},
            "steps_per_print": 1000}
     engine, _, _, _ = partita.initialize(model=model, model_parameters=groups, config=cfg)
-    # The one-rank gradient fold initialize chose ("auto": by the estimate) is what runs.
-    end = engine.config.zero_optimization.one_rank_gradient_fold == "end"
-    estimate = estimate_memory(_ACT_SHAPE, Setup.from_config(cfg, world_size=1, fold_gradients_at_end=end))
+    estimate = estimate_memory(_ACT_SHAPE, Setup.from_config(cfg, world_size=1, **_chosen_fold(engine)))
     idx, targets = _batch()
     saved = saved_tensor_bytes(engine, idx, targets)
     logits, loss = engine(idx, targets)
@@ -344,7 +347,8 @@ def measure_total() -> tuple[int, int]:
 
     engine.zero.reducer.finish_backward = finish
     engine.backward(loss)
-    partition = sum(_grad_partition(g).untyped_storage().nbytes() for g in engine.optimizer.groups)
+    partition = sum(_grad_partition(g).untyped_storage().nbytes() for g in engine.optimizer.groups
+                    if _grad_partition(g) is not None)  # none with one_rank_gradient_fold "stream"
     engine.step()
     opt = engine.optimizer
     params, counted = _storage_bytes(model.parameters())

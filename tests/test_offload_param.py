@@ -34,7 +34,9 @@ def _param(device: str, nvme_path: str, **extra) -> dict:
 
 def _z3(gas: int, *, param: str = "none", optimizer: bool = False, nvme_path: str = "", precision: str = "fp32",
         **extra) -> dict:
-    zero: dict = {"stage3_param_persistence_threshold": 0}
+    # The flat fp32 gradient partition, as every offloaded run keeps it: at one rank "auto" would
+    # take the streamed step, whose norm differs in its last bits (partita/zero/streamed_step.py).
+    zero: dict = {"stage3_param_persistence_threshold": 0, "one_rank_gradient_fold": "early"}
     if param != "none":
         zero.update(_param(param, nvme_path, **extra))
     if optimizer:

@@ -28,9 +28,10 @@ def _model():
     return model
 
 
-def _cfg(stage: int, fold: str, *, clip: float = BIG_CLIP, gas: int = 1, dtype: str = "bf16", **zero) -> dict:
+def _cfg(stage: int, fold: str, *, clip: float = BIG_CLIP, gas: int = 1, dtype: str = "bf16", optimizer: dict | None = None,
+         **zero) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
            "zero_optimization": {"stage": stage, "one_rank_gradient_fold": fold,
                                  "stage3_param_persistence_threshold": 20, **zero},
            "steps_per_print": 10**6}
@@ -105,11 +106,17 @@ def _bitwise_cases() -> dict:
     out["gas2"] = (_train(1, "early", gas=2), _train(1, "stream", gas=2, watch=True))
     out["fp16"] = (_train(2, "early", dtype="fp16", steps=4), _train(2, "stream", dtype="fp16", steps=4))
     out["fp32"] = (_train(2, "early", dtype="fp32"), _train(2, "stream", dtype="fp32"))
+    # amsgrad (a third moment-shaped state) and classic Adam (L2 weight decay, not decoupled)
+    amsgrad = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}}
+    out["amsgrad"] = (_train(2, "early", optimizer=amsgrad), _train(2, "stream", optimizer=amsgrad))
+    adam_l2 = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False}}
+    out["adam_l2"] = (_train(2, "early", optimizer=adam_l2), _train(2, "stream", optimizer=adam_l2))
     return out
 
 
 def test_stream_is_bitwise_early_when_clipping_is_inactive() -> None:
     results = run_distributed(_bitwise_cases, 1, timeout=400)[0]
+    assert "max_exp_avg_sq" in results["amsgrad"][1]["states"][0]
     for case, (early, stream) in results.items():
         assert _same(early, stream), case
         assert stream["step_state"] == early["step_state"], case  # torch's own state: fp32 step on the device

@@ -62,6 +62,9 @@ def add_estimate_parser(commands: Any) -> None:
                        help="auto: split over accelerator, host and NVMe (tiered placement; see the tier flags)")
     setup.add_argument("--offload-ratio", type=float, default=None, help="fraction offloaded, (0, 1] (default 1)")
     setup.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default=None, help="stage 3 only")
+    setup.add_argument("--one-rank-gradient-fold", choices=("auto", "early", "end", "stream"), default=None,
+                       help="zero_optimization.one_rank_gradient_fold at world size 1 (default auto: stream where "
+                            "it applies, else early)")
     setup.add_argument("--staging-bytes", default=None,
                        help="bytes per pinned offload staging buffer (default partita's, 64MiB)")
     setup.add_argument("--activation-bytes", default=None,
@@ -124,10 +127,15 @@ def _setup(args: argparse.Namespace, model: Any):
         flags["activation_bytes"] = parse_bytes(args.activation_bytes, what="--activation-bytes")
     if isinstance(model, int) and args.seq_len is not None:
         flags["seq_len"] = args.seq_len
+    fold = args.one_rank_gradient_fold
+    if fold not in (None, "auto"):
+        flags.update(fold_gradients_at_end=fold != "early", streamed_step=fold == "stream")
     flags = {k: v for k, v in flags.items() if v is not None}
     if args.config is not None:
         return Setup.from_config(args.config, **flags)
-    return Setup(**flags)
+    setup = Setup(**flags)
+    return setup.replace(fold_gradients_at_end=True, streamed_step=True) if fold in (None, "auto") and \
+        setup.streams_by_default() else setup
 
 
 def run_estimate_command(args: argparse.Namespace) -> int:

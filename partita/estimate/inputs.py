@@ -295,6 +295,15 @@ class Setup:
             raise EstimateError(f"unknown setup option(s) {unknown}; the options are {', '.join(sorted(names))}")
         return dataclasses.replace(self, **changes)
 
+    def streams_by_default(self) -> bool:
+        """Whether ``one_rank_gradient_fold "auto"`` takes "stream" for this setup (the rule of
+        ``partita.zero.fold_choice.auto_streams``, for a setup given without a config: an
+        accelerator's fused Adam/AdamW assumed)."""
+        fp32_sums = self.grad_accum_dtype == "fp32" and self.dtype != "fp32"
+        return (self.world_size == 1 and self.offload_optimizer == "none" and self.offload_param == "none"
+                and self.optimizer in ("Adam", "AdamW") and not fp32_sums
+                and not (self.stage >= 2 and self.gradient_accumulation_steps > 1))
+
     @classmethod
     def resolve(cls, setup: Setup | None, options: dict[str, Any]) -> Setup:
         """``setup`` (default: ``Setup()``) with ``options`` applied."""
@@ -315,9 +324,12 @@ class Setup:
             offload = ("" if offload == "none" else offload + ", ") + f"params->{self.offload_param}"
         gas = f" x {self.gradient_accumulation_steps} accumulation steps" if self.gradient_accumulation_steps > 1 else ""
         ckpt = str(self.checkpointing) + (" (inputs in CPU memory)" if self.cpu_checkpointing else "")
+        fold = ""
+        if self.world_size == 1 and self.fold_gradients_at_end:
+            fold = ", one_rank_gradient_fold " + ("stream" if self.streamed_step else "end")
         return (
             f"{self.dtype}, ZeRO stage {self.stage}, world size {self.world_size}, micro-batch {self.micro_batch}{gas}, "
-            f"{self.optimizer}, checkpointing {ckpt}, offload {offload}"
+            f"{self.optimizer}, checkpointing {ckpt}, offload {offload}{fold}"
         )
 
     @classmethod

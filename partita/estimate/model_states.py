@@ -22,7 +22,10 @@ code that allocates the tensors:
   Full-size ``param.grad`` in the model dtype is held across micro-batches at stages 0/1; at
   world size 1 offloaded groups send each gradient to the host partition as it arrives
   (``reducer.py``). ``data_types.grad_accum_dtype: fp32`` at stages 0/1 sums
-  micro-batches in a full-size fp32 tensor per parameter instead.
+  micro-batches in a full-size fp32 tensor per parameter instead. With
+  ``one_rank_gradient_fold "stream"`` (``streamed_step.py``) there is no partition: the full-size
+  ``param.grad`` is held into the step, which casts one fp32 range of ``CHUNK_NUMEL`` elements at a
+  time, and the blocks' freed weights come back only in its write-back (a copy, no cast buffer).
 - optimizer states (``partita/optim``): torch Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
   shaped like the master (8 bytes per partition element, 12 with amsgrad) and a 4-byte fp32
   ``step`` tensor per group; SGD a ``momentum_buffer`` (4 bytes) only when momentum > 0;
