@@ -1,5 +1,6 @@
 """``zero_optimization.one_rank_gradient_fold "stream"`` (partita/zero/streamed_step.py): one process,
-no fp32 gradient partition, the fused AdamW step read range by range from ``param.grad``.
+no fp32 gradient partition, the fused AdamW (or block-wise 8-bit) step read range by range from
+``param.grad``.
 
 Against "early" (the flat partition's step) in the same process: with clipping inactive every
 loss, master, moment and step counter is bitwise equal (stages 0-3, accumulation at stage 1, an
@@ -45,7 +46,8 @@ def _cfg(stage: int, fold: str, *, clip: float = BIG_CLIP, gas: int = 1, dtype: 
 def _snapshot(engine) -> dict:
     return {
         "masters": [g.master.clone() for g in engine.optimizer.groups],
-        "states": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.inner.state.values()],
+        "states": [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                   for s in engine.optimizer.inner.state.values()],
     }
 
 
@@ -86,8 +88,8 @@ def _train(stage: int, fold: str, *, steps: int = 3, save_to: str | None = None,
                                       for p in model.parameters())
         out["grads_after_step"] = sum(p.grad is not None for p in model.parameters())
         out["params"] = [p.detach().clone() for p in model.parameters()]
-    out["step_state"] = [(s["step"].dtype, s["step"].device.type, float(s["step"]))
-                         for s in engine.optimizer.inner.state.values()]
+    out["step_state"] = [(s["step"].dtype, s["step"].device.type, float(s["step"])) if torch.is_tensor(s["step"])
+                         else s["step"] for s in engine.optimizer.inner.state.values()]
     engine.destroy()
     return out
 
@@ -96,7 +98,11 @@ def _same(a: dict, b: dict) -> bool:
     return (a["losses"] == b["losses"]
             and all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
             and len(a["states"]) == len(b["states"])
-            and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a["states"], b["states"])))
+            and all(x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x) for x, y in zip(a["states"], b["states"])))
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b  # bitsandbytes counts steps in an int
 
 
 def _bitwise_cases() -> dict:
@@ -111,12 +117,18 @@ def _bitwise_cases() -> dict:
     out["amsgrad"] = (_train(2, "early", optimizer=amsgrad), _train(2, "stream", optimizer=amsgrad))
     adam_l2 = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False}}
     out["adam_l2"] = (_train(2, "early", optimizer=adam_l2), _train(2, "stream", optimizer=adam_l2))
+    # bitsandbytes' block-wise 8-bit states, stepped range by range through its update_step
+    for kind in ("AdamW8bit", "Lion8bit"):
+        eight_bit = {"type": kind, "params": {"lr": 1e-3, "weight_decay": 0.1}}
+        for stage in (2, 3):
+            out[(kind, stage)] = (_train(stage, "early", optimizer=eight_bit), _train(stage, "stream", optimizer=eight_bit))
     return out
 
 
 def test_stream_is_bitwise_early_when_clipping_is_inactive() -> None:
     results = run_distributed(_bitwise_cases, 1, timeout=400)[0]
     assert "max_exp_avg_sq" in results["amsgrad"][1]["states"][0]
+    assert results[("AdamW8bit", 2)][1]["states"][0]["state1"].dtype == torch.uint8
     for case, (early, stream) in results.items():
         assert _same(early, stream), case
         assert stream["step_state"] == early["step_state"], case  # torch's own state: fp32 step on the device
@@ -201,7 +213,8 @@ def test_stream_refuses_what_it_cannot_step() -> None:
     got = run_distributed(_refusals, 1, timeout=200)[0]
     assert got["stage1_gas"] == "accepted"  # stages 0-1 accumulate in param.grad anyway
     assert 'ZeRO stage 2 sums micro-batches in fp32; with gradient_accumulation_steps 2' in got["gas"]
-    assert "fused Adam/AdamW kernel; the optimizer here is torch.optim.sgd.SGD. Use optimizer type Adam" in got["sgd"]
+    assert ("fused Adam/AdamW kernel or bitsandbytes' block-wise 8-bit optimizers; the optimizer here is "
+            "torch.optim.sgd.SGD. Use optimizer type Adam or AdamW") in got["sgd"]
     assert "torch.optim.adamw.AdamW without fused=True" in got["unfused"]
     assert 'data_types.grad_accum_dtype "fp32" asks for fp32 sums' in got["fp32_sums"]
     assert 'one_rank_gradient_fold "stream" holds every param.grad on the accelerator' in got["offload"]

@@ -96,7 +96,7 @@ def _reduce_bytes(info: ModelInfo, setup: Setup) -> int:
 
 def _write_back_bytes(info: ModelInfo, setup: Setup) -> int:
     if setup.streamed_step and setup.world_size == 1 and setup.stage < 3 and setup.offload_optimizer == "none":
-        return 0  # StreamedAdam.write_back: a foreach copy from the master into the parameters
+        return 0  # StreamedStep.write_back: a foreach copy from the master into the parameters
     d = setup.dtype_bytes
     shards = setup.num_shards
     persistent = setup.stage3_param_persistence_threshold

@@ -299,9 +299,11 @@ class Setup:
         """Whether ``one_rank_gradient_fold "auto"`` takes "stream" for this setup (the rule of
         ``partita.zero.fold_choice.auto_streams``, for a setup given without a config: an
         accelerator's fused Adam/AdamW assumed)."""
+        from partita.zero.streamed_step import STREAMABLE_EIGHT_BIT
+
         fp32_sums = self.grad_accum_dtype == "fp32" and self.dtype != "fp32"
         return (self.world_size == 1 and self.offload_optimizer == "none" and self.offload_param == "none"
-                and self.optimizer in ("Adam", "AdamW") and not fp32_sums
+                and self.optimizer in ("Adam", "AdamW", *STREAMABLE_EIGHT_BIT) and not fp32_sums
                 and not (self.stage >= 2 and self.gradient_accumulation_steps > 1))
 
     @classmethod

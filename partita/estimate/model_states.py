@@ -245,7 +245,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
         lines.append(Line("gradients", "fp32 gradient partition", "accelerator", 4 * partition(device_groups),
                           partition_phases, kind="grad_partition"))
     if streamed:
-        # StreamedAdam._step_group: one fp32 buffer of a range of the group's master at a time.
+        # StreamedStep._step_group: one fp32 buffer of a range of the group's master at a time.
         widest = max(min(STREAM_CHUNK_NUMEL, g.partition_numel) for g in device_groups)
         lines.append(Line("buffers", "fp32 gradient range of the streamed step", "accelerator", 4 * widest,
                           frozenset({STEP}), note="one_rank_gradient_fold \"stream\""))

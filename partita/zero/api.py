@@ -24,7 +24,7 @@ from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
 from partita.zero.shard_group import ShardComm, ShardedParamGroup
 from partita.zero.sharded_optimizer import ShardedOptimizer
-from partita.zero.streamed_step import StreamedAdam
+from partita.zero.streamed_step import StreamedStep, streamable_optimizer
 from partita.tensor_parallel.layers import replicated_elsewhere
 
 InnerOptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -207,19 +207,20 @@ def apply_zero(
 
 
 def _streamed_step(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer,
-                   one_rank: OneRankWeights | None) -> StreamedAdam:
-    """``one_rank_gradient_fold "stream"`` (streamed_step.py), refused where torch's fused Adam/AdamW
-    is not the inner optimizer (the one kernel it steps ranges with)."""
-    fused = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in inner.param_groups)
-    if not fused:
+                   one_rank: OneRankWeights | None) -> StreamedStep:
+    """``one_rank_gradient_fold "stream"`` (streamed_step.py), refused for an inner optimizer it
+    cannot step range by range: torch's fused Adam/AdamW and bitsandbytes' block-wise 8-bit
+    optimizers (not the paged ones) it can."""
+    if not streamable_optimizer(inner):
+        name = f"{type(inner).__module__}.{type(inner).__name__}"
+        unfused = " without fused=True" if type(inner) in (torch.optim.Adam, torch.optim.AdamW) else ""
         raise ConfigError(
-            f'zero_optimization.one_rank_gradient_fold "stream" steps with torch\'s fused Adam/AdamW kernel; the '
-            f"optimizer here is {type(inner).__module__}.{type(inner).__name__}"
-            f"{'' if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) else ' without fused=True'}. Use optimizer "
-            'type Adam or AdamW (with params.fused true, or unset where torch has the kernel), or '
-            'one_rank_gradient_fold "auto"'
+            f'zero_optimization.one_rank_gradient_fold "stream" steps with torch\'s fused Adam/AdamW kernel or '
+            f"bitsandbytes' block-wise 8-bit optimizers; the optimizer here is {name}{unfused}. Use optimizer type "
+            'Adam or AdamW (with params.fused true, or unset where torch has the kernel), AdamW8bit, Adam8bit or '
+            'Lion8bit, or one_rank_gradient_fold "auto"'
         )
-    return StreamedAdam(groups, inner, one_rank)
+    return StreamedStep(groups, inner, one_rank)
 
 
 def _comm_split(

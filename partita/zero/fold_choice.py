@@ -15,8 +15,8 @@ optimizer step read ``param.grad`` itself ("stream", streamed_step.py). The valu
 - stream: the full-size gradients as with end, never a partition; the blocks' weights stay freed
   until the step writes them back. At no point does it hold more than early or end (the step's
   fp32 buffer is one 64 MiB range), so "auto" takes it wherever it applies, for any model: one
-  process, no offload, torch's fused Adam/AdamW, no fp32 accumulation, and accumulation only at
-  stages 0-1. Measured on one H200 (docs/performance.md): GPT-1.3B micro-batch 1 19.14 GiB against
+  process, no offload, torch's fused Adam/AdamW or a block-wise 8-bit optimizer, no fp32
+  accumulation, and accumulation only at stages 0-1. Measured on one H200 (docs/performance.md): GPT-1.3B micro-batch 1 19.14 GiB against
   early's 23.30 and FSDP2's 20.24 at early's tokens/s; GPT-6.7B ZeRO-3 checkpointed 88.04 against
   101.38 and FSDP2's 100.81.
 
@@ -42,6 +42,7 @@ from torch import nn
 
 from partita.offload.auto_placement import client_optimizer_name, model_info_for
 from partita.optim.factory import fused_adam_supported
+from partita.zero.streamed_step import STREAMABLE_EIGHT_BIT, streamable_optimizer
 
 __all__ = ["auto_streams", "check_streamed_step", "resolve_gradient_fold"]
 
@@ -126,8 +127,9 @@ def check_streamed_step(cfg: Any, model: nn.Module, *, job_world: int, gradient_
 def auto_streams(cfg: Any, model: nn.Module | None, *, job_world: int, gradient_accumulation_steps: int,
                  client_optimizer: Any = None, device_type: str = "cuda", assume_fused_kernel: bool = False) -> bool:
     """Whether "auto" takes "stream": what :func:`check_streamed_step` asks, nothing offloaded, and
-    an optimizer that will be torch's fused Adam/AdamW (``assume_fused_kernel``: the estimator's
-    view of an accelerator, where torch has the kernel, instead of probing ``device_type``)."""
+    an optimizer the streamed step drives: torch's fused Adam/AdamW (``assume_fused_kernel``: the estimator's
+    view of an accelerator, where torch has the kernel, instead of probing ``device_type``) or a
+    block-wise 8-bit one (streamed_step.STREAMABLE_EIGHT_BIT)."""
     from partita.config.base import ConfigError
 
     zero = cfg.zero_optimization
@@ -140,9 +142,10 @@ def auto_streams(cfg: Any, model: nn.Module | None, *, job_world: int, gradient_
     if client_optimizer is not None:
         # A torch optimizer is kept as it is (bootstrap._inner_optimizer_factory); a callable builds
         # an optimizer not known until then.
-        return (type(client_optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-                and all(g.get("fused") for g in client_optimizer.param_groups))
+        return isinstance(client_optimizer, torch.optim.Optimizer) and streamable_optimizer(client_optimizer)
     optimizer = cfg.optimizer
+    if optimizer is not None and optimizer.type in STREAMABLE_EIGHT_BIT:
+        return True
     if optimizer is None or optimizer.type not in ("Adam", "AdamW"):
         return False
     fused = getattr(optimizer.params, "fused", None)

@@ -33,7 +33,7 @@ from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 if TYPE_CHECKING:
     from partita.offload.nvme_optimizer import SwappedOptimizerStates
     from partita.offload.overlapped_step import OverlappedStep
-    from partita.zero.streamed_step import StreamedAdam
+    from partita.zero.streamed_step import StreamedStep
 
 
 # Optimizer-state keys of block-wise (8-bit) optimizers; see partita/optim/eight_bit.py.
@@ -111,7 +111,7 @@ class ShardedOptimizer:
         self.overlapped: OverlappedStep | None = None
         # zero_optimization.one_rank_gradient_fold "stream": no gradient partition; the step reads
         # param.grad range by range (partita/zero/streamed_step.py); set by apply_zero.
-        self.streamed: StreamedAdam | None = None
+        self.streamed: StreamedStep | None = None
         # Model parallelism (tensor axis): the global norm sums over the ranks holding different
         # parts of the model too, and a parameter every tensor rank holds whole (a LayerNorm) is
         # counted on one of them only: ``uncounted_params`` are this rank's such copies, and these

@@ -1,5 +1,6 @@
-"""One process, fused Adam/AdamW: the optimizer step reads the gradients from ``param.grad`` and
-the fp32 gradient partition is never built (``zero_optimization.one_rank_gradient_fold "stream"``).
+"""One process, fused Adam/AdamW or 8-bit Adam/Lion: the optimizer step reads the gradients from
+``param.grad`` and the fp32 gradient partition is never built
+(``zero_optimization.one_rank_gradient_fold "stream"``).
 
 [Note: the streamed step]
 Why: at one rank the fp32 gradient partition (4 bytes per parameter) is the largest thing that
@@ -13,6 +14,9 @@ global norm is summed over them, and the step walks each group's flat fp32 maste
 (the cast the fold would have made into the partition; zeros where a parameter got no gradient),
 steps master, ``exp_avg`` and ``exp_avg_sq`` over that range with torch's fused Adam/AdamW
 (``torch.optim.adam.adam``, ``fused=True``), and frees each ``param.grad`` it has finished with.
+bitsandbytes' block-wise 8-bit optimizers step the same ranges through their own ``update_step``
+on views of the codes and block scales, as ``partita.optim.eight_bit.step_eight_bit`` steps a
+partition in chunks (blocks of 256 elements are independent, so this is exact).
 The peak of the step is then the model-dtype gradients plus one buffer, instead of the partition
 plus (at the end fold) those gradients.
 
@@ -35,16 +39,32 @@ it is their refill: one ``torch._foreach_copy_`` per group from the new master, 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.optim.adam import adam
 
+from partita.optim.eight_bit import PER_BLOCK_KEYS, PER_ELEMENT_KEYS, block_span
 from partita.zero.one_rank_weights import OneRankWeights
 from partita.zero.shard_group import ShardedParamGroup
 
-__all__ = ["CHUNK_NUMEL", "StreamedAdam"]
+__all__ = ["CHUNK_NUMEL", "STREAMABLE_EIGHT_BIT", "StreamedStep", "streamable_optimizer"]
 
 CHUNK_NUMEL = 1 << 24
 """Master elements stepped per fused call (a power of two, see the note): a 64 MiB fp32 buffer."""
+
+
+STREAMABLE_EIGHT_BIT = ("AdamW8bit", "Adam8bit", "Lion8bit")
+"""bitsandbytes' block-wise optimizers the streamed step drives (the paged ones keep their states in
+pages it does not slice)."""
+
+
+def streamable_optimizer(inner: torch.optim.Optimizer) -> bool:
+    """Whether the streamed step can drive ``inner``: torch's fused Adam/AdamW, or one of
+    :data:`STREAMABLE_EIGHT_BIT`."""
+    if type(inner) in (torch.optim.Adam, torch.optim.AdamW):
+        return all(g.get("fused") for g in inner.param_groups)
+    return type(inner).__module__.startswith("bitsandbytes") and type(inner).__name__ in STREAMABLE_EIGHT_BIT
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -57,15 +77,17 @@ def _scalar_dtype() -> torch.dtype:
         return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-class StreamedAdam:
-    """Steps ``inner`` (a fused torch Adam/AdamW over one flat master per group) from the model's
-    ``param.grad`` in fp32 ranges (see the module docstring)."""
+class StreamedStep:
+    """Steps ``inner`` (torch's fused Adam/AdamW, or a bitsandbytes block-wise 8-bit optimizer,
+    over one flat master per group) from the model's ``param.grad`` in fp32 ranges (see the
+    module docstring)."""
 
     def __init__(self, groups: list[ShardedParamGroup], inner: torch.optim.Optimizer,
                  weights: OneRankWeights | None) -> None:
         self._groups = groups
         self._inner = inner
         self._weights = weights  # stages 0-2: blocks freed after their backward, refilled by write_back
+        self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
         self._decoupled = isinstance(inner, torch.optim.AdamW)
         self._sources: list[tuple | None] = [None] * len(groups)  # write_back's cached master views
 
@@ -90,20 +112,29 @@ class StreamedAdam:
 
     @torch.no_grad()
     def step(self, multiplier: float) -> None:
-        """One Adam/AdamW step of every group that got a gradient; ``multiplier`` (unscale and
-        clip) goes into the kernel as torch's ``grad_scale`` divisor, as the flat step does."""
+        """One step of every group that got a gradient. ``multiplier`` (unscale and clip) is
+        applied as the flat step applies it: inside torch's fused kernel as its ``grad_scale``
+        divisor, or (8-bit) multiplied into the gradients first."""
+        if self._eight_bit and not getattr(self._inner, "initialized", True):
+            # What bitsandbytes' step() does before its first update (per-parameter overrides,
+            # state placement); update_step alone skips it.
+            self._inner.check_overrides()
+            self._inner.to_gpu()
+            self._inner.initialized = True
         grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32) if multiplier != 1.0 else None
-        for group, options in zip(self._groups, self._inner.param_groups):
-            if any(p.grad is not None for p in group.params):  # else torch skips the group (master.grad None)
-                self._step_group(group, options, grad_scale)
+        for g, (group, options) in enumerate(zip(self._groups, self._inner.param_groups)):
+            if any(p.grad is not None for p in group.params):  # else the flat step skips it (master.grad None)
+                if self._eight_bit:
+                    self._step_group(group, partial(self._eight_bit_range, g, options, multiplier))
+                else:
+                    self._step_group(group, partial(self._adam_range, options, grad_scale))
 
-    def _step_group(self, group: ShardedParamGroup, options: dict, grad_scale: torch.Tensor | None) -> None:
+    def _step_group(self, group: ShardedParamGroup, step_range) -> None:
+        """Walk the group's master in ranges: fill one fp32 buffer from the gradients covering the
+        range, ``step_range(master, lo, hi, grad)``, free the gradients stepped whole."""
         master = group.master
-        state = self._state(master, options)
-        amsgrad = options["amsgrad"]
         numel = master.numel()
         buffer = torch.empty(min(CHUNK_NUMEL, numel), dtype=torch.float32, device=master.device)
-        chunk_step = torch.empty_like(state["step"])
         specs = group.layout.specs
         first = 0  # the first spec not wholly stepped yet
         for lo in range(0, numel, CHUNK_NUMEL):
@@ -115,7 +146,7 @@ class StreamedAdam:
                 spec = specs[i]
                 start, end = max(lo, spec.partition_offset), min(hi, spec.partition_offset + spec.numel)
                 if start > filled:
-                    grad[filled - lo : start - lo].zero_()  # layout padding
+                    grad[filled - lo : start - lo].zero_()  # layout padding (8-bit: whole blocks)
                 param = group.params[spec.index]
                 if end > start:
                     piece = grad[start - lo : end - lo]
@@ -132,19 +163,25 @@ class StreamedAdam:
             first = i
             if filled < hi:
                 grad[filled - lo :].zero_()
-            chunk_step.copy_(state["step"])  # adam() adds one: each range steps with the group's next count
-            adam(
-                [master[lo:hi]], [grad], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]],
-                [state["max_exp_avg_sq"][lo:hi]] if amsgrad else [], [chunk_step],
-                capturable=options["capturable"], differentiable=False, fused=True, grad_scale=grad_scale,
-                found_inf=None, has_complex=False,
-                decoupled_weight_decay=options.get("decoupled_weight_decay", self._decoupled),
-                amsgrad=amsgrad, beta1=options["betas"][0], beta2=options["betas"][1], lr=options["lr"],
-                weight_decay=options["weight_decay"], eps=options["eps"], maximize=options["maximize"],
-            )
-        state["step"].add_(1)
+            step_range(master, lo, hi, grad)
+        self._inner.state[master]["step"] += 1  # once per group and step, as torch and bitsandbytes count
 
-    def _state(self, master: torch.Tensor, options: dict) -> dict:
+    def _adam_range(self, options: dict, grad_scale: torch.Tensor | None, master: torch.Tensor, lo: int, hi: int,
+                    grad: torch.Tensor) -> None:
+        state = self._adam_state(master, options)
+        chunk_step = state["step"].clone()  # adam() adds one: each range steps with the group's next count
+        amsgrad = options["amsgrad"]
+        adam(
+            [master[lo:hi]], [grad], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]],
+            [state["max_exp_avg_sq"][lo:hi]] if amsgrad else [], [chunk_step],
+            capturable=options["capturable"], differentiable=False, fused=True, grad_scale=grad_scale,
+            found_inf=None, has_complex=False,
+            decoupled_weight_decay=options.get("decoupled_weight_decay", self._decoupled),
+            amsgrad=amsgrad, beta1=options["betas"][0], beta2=options["betas"][1], lr=options["lr"],
+            weight_decay=options["weight_decay"], eps=options["eps"], maximize=options["maximize"],
+        )
+
+    def _adam_state(self, master: torch.Tensor, options: dict) -> dict:
         """torch's state of ``master``, created as ``Adam._init_group`` does on its first step."""
         state = self._inner.state[master]
         if not state:
@@ -154,6 +191,29 @@ class StreamedAdam:
             if options["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         return state
+
+    def _eight_bit_range(self, g: int, options: dict, multiplier: float, master: torch.Tensor, lo: int, hi: int,
+                         grad: torch.Tensor) -> None:
+        """One range through bitsandbytes' own ``update_step`` on views of the master and of its
+        block-wise states, as ``partita.optim.eight_bit.step_eight_bit`` steps a chunk (ranges
+        start at multiples of ``CHUNK_NUMEL``, whole 256-element blocks)."""
+        state = self._inner.state[master]
+        if not state:
+            self._inner.init_state(options, master, g, 0)
+        if multiplier != 1.0:
+            grad.mul_(multiplier)  # where the flat step scales the partition (not a fused Adam)
+        chunk = master[lo:hi]
+        chunk.grad = grad
+        first, last = block_span(lo, hi)
+        self._inner.state[chunk] = {
+            key: value[lo:hi] if key in PER_ELEMENT_KEYS else value[first:last] if key in PER_BLOCK_KEYS else value
+            for key, value in state.items()
+        }
+        try:
+            self._inner.update_step(options, chunk, g, 0)  # counts the step in this copy of the dict
+        finally:
+            del self._inner.state[chunk]
+            chunk.grad = None
 
     @torch.no_grad()
     def write_back(self) -> None:
