@@ -52,12 +52,12 @@ def _p(name: str, label: str, **options: Any) -> Setting:
 
 
 _8 = {"optimizer": "AdamW8bit"}
-# One process, nothing offloaded, fused AdamW: "auto" takes one_rank_gradient_fold "stream" (no fp32
+# One process, nothing offloaded, fused AdamW or AdamW8bit: "auto" takes one_rank_gradient_fold "stream" (no fp32
 # gradient partition, partita/zero/streamed_step.py); the worker sets it explicitly, the estimate models it.
 _STREAM = {"fold_gradients_at_end": True, "streamed_step": True}
 SETTINGS: tuple[Setting, ...] = (
     _p("p-none", "partita ZeRO-3, AdamW, nothing offloaded", **_STREAM),
-    _p("p-none-8b", "partita ZeRO-3, AdamW8bit, nothing offloaded", **_8),
+    _p("p-none-8b", "partita ZeRO-3, AdamW8bit, nothing offloaded", **_8, **_STREAM),
     _p("p-opt", "partita ZeRO-3, AdamW, optimizer in CPU memory", offload_optimizer="cpu"),
     _p("p-opt-8b", "partita ZeRO-3, AdamW8bit, optimizer in CPU memory", offload_optimizer="cpu", **_8),
     _p("p-optp", "partita ZeRO-3, AdamW, optimizer + parameters in CPU memory", offload_optimizer="cpu",
