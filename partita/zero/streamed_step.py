@@ -44,6 +44,7 @@ from functools import partial
 import torch
 from torch.optim.adam import adam
 
+from partita.optim import eight_bit
 from partita.optim.eight_bit import PER_BLOCK_KEYS, PER_ELEMENT_KEYS, block_span
 from partita.zero.one_rank_weights import OneRankWeights
 from partita.zero.shard_group import ShardedParamGroup
@@ -125,20 +126,23 @@ class StreamedStep:
         for g, (group, options) in enumerate(zip(self._groups, self._inner.param_groups)):
             if any(p.grad is not None for p in group.params):  # else the flat step skips it (master.grad None)
                 if self._eight_bit:
-                    self._step_group(group, partial(self._eight_bit_range, g, options, multiplier))
+                    # Never past what one bitsandbytes call may step (a multiple of its blocks).
+                    size = min(CHUNK_NUMEL, eight_bit.chunk_limit(group.master) or CHUNK_NUMEL)
+                    self._step_group(group, partial(self._eight_bit_range, g, options, multiplier), size)
                 else:
-                    self._step_group(group, partial(self._adam_range, options, grad_scale))
+                    self._step_group(group, partial(self._adam_range, options, grad_scale), CHUNK_NUMEL)
 
-    def _step_group(self, group: ShardedParamGroup, step_range) -> None:
-        """Walk the group's master in ranges: fill one fp32 buffer from the gradients covering the
-        range, ``step_range(master, lo, hi, grad)``, free the gradients stepped whole."""
+    def _step_group(self, group: ShardedParamGroup, step_range, size: int) -> None:
+        """Walk the group's master in ranges of ``size`` elements: fill one fp32 buffer from the
+        gradients covering the range, ``step_range(master, lo, hi, grad)``, free the gradients
+        stepped whole."""
         master = group.master
         numel = master.numel()
-        buffer = torch.empty(min(CHUNK_NUMEL, numel), dtype=torch.float32, device=master.device)
+        buffer = torch.empty(min(size, numel), dtype=torch.float32, device=master.device)
         specs = group.layout.specs
         first = 0  # the first spec not wholly stepped yet
-        for lo in range(0, numel, CHUNK_NUMEL):
-            hi = min(lo + CHUNK_NUMEL, numel)
+        for lo in range(0, numel, size):
+            hi = min(lo + size, numel)
             grad = buffer[: hi - lo]
             filled = lo
             i = first
