@@ -220,8 +220,7 @@ class Engine:
             if self.zero.gatherer is not None:
                 self.zero.gatherer.release_all()  # parameters that got no gradient are still whole
             if self.zero.one_rank_weights is not None:
-                # Units whose outputs got no gradient are still freed (folding at the end: all of them).
-                self.zero.one_rank_weights.after_backward(step_follows=self.is_gradient_accumulation_boundary())
+                self.zero.one_rank_weights.restore()  # units whose outputs got no gradient are still freed
         self._samples.end_micro_batch()
         self._backward_pending = True
         return loss

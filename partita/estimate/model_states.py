@@ -25,7 +25,7 @@ code that allocates the tensors:
   micro-batches in a full-size fp32 tensor per parameter instead. With
   ``one_rank_gradient_fold "stream"`` (``streamed_step.py``) there is no partition: the full-size
   ``param.grad`` is held into the step, which casts one fp32 range of ``CHUNK_NUMEL`` elements at a
-  time, and the blocks' freed weights come back only in its write-back (a copy, no cast buffer).
+  time, and writes the weights back by plain copies (no cast buffer).
 - optimizer states (``partita/optim``): torch Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
   shaped like the master (8 bytes per partition element, 12 with amsgrad) and a 4-byte fp32
   ``step`` tensor per group; SGD a ``momentum_buffer`` (4 bytes) only when momentum > 0;
@@ -208,11 +208,9 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
             # their backward, which brings them back block by block (the walk counts them there).
             lines.append(Line("parameters", f"{setup.dtype} parameters outside the blocks",
                               "accelerator", d * (_sum(plain, lambda g: sum(p.numel for p in g.params)) - blocks)))
-            # With one_rank_gradient_fold "end" each block's are freed again after its backward and
-            # come back after finish_backward ([Note: freed again after the unit's backward]); with
-            # "stream" only in the step's write-back (streamed_step.py).
-            phases = {BACKWARD, WRITE_BACK} | (set() if setup.fold_gradients_at_end else {END_BACKWARD})
-            phases |= set() if setup.streamed_step else {STEP}
+            # With one_rank_gradient_fold "end" or "stream" each block's are freed again after its
+            # backward and come back after finish_backward ([Note: freed again after the unit's backward]).
+            phases = {BACKWARD, STEP, WRITE_BACK} | (set() if setup.fold_gradients_at_end else {END_BACKWARD})
             lines.append(Line("parameters", f"{setup.dtype} block parameters (freed from forward to backward)",
                               "accelerator", d * blocks, frozenset(phases),
                               note="cast back from the fp32 master before each block's backward",

@@ -194,20 +194,18 @@ def apply_zero(
         one_rank = build_one_rank_weights(module, groups, enabled=config.one_rank_free_weights,
                                           world_size=topology.world_size,
                                           delayed_update=offload.enabled and offload.delayed_param_update,
-                                          free_after_backward=config.one_rank_gradient_fold == "end",
-                                          freed_through_step=config.one_rank_gradient_fold == "stream")
+                                          free_after_backward=config.one_rank_gradient_fold in ("end", "stream"))
         if one_rank is not None:
             optimizer.after_write_back.append(one_rank.synced)
     if config.one_rank_gradient_fold == "stream":
-        optimizer.streamed = _streamed_step(groups, inner, one_rank)
+        optimizer.streamed = _streamed_step(groups, inner)
     forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now
     state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer, one_rank_weights=one_rank)
     register_owner((p for g in groups for p in g.params), state)
     return state
 
 
-def _streamed_step(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer,
-                   one_rank: OneRankWeights | None) -> StreamedStep:
+def _streamed_step(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer) -> StreamedStep:
     """``one_rank_gradient_fold "stream"`` (streamed_step.py), refused for an inner optimizer it
     cannot step range by range: torch's fused Adam/AdamW and bitsandbytes' block-wise 8-bit
     optimizers (not the paged ones) it can."""
@@ -220,7 +218,7 @@ def _streamed_step(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer
             'Adam or AdamW (with params.fused true, or unset where torch has the kernel), AdamW8bit, Adam8bit or '
             'Lion8bit, or one_rank_gradient_fold "auto"'
         )
-    return StreamedStep(groups, inner, one_rank)
+    return StreamedStep(groups, inner)
 
 
 def _comm_split(

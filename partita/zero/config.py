@@ -149,9 +149,8 @@ class ZeroConfig(StrictSection):
             "needs torch's fused Adam or AdamW or a block-wise 8-bit optimizer (AdamW8bit, Adam8bit, Lion8bit), no "
             "offload, and gradient_accumulation_steps 1 at stages 2-3; "
             "values are bitwise the other rules' except that the global norm is summed per gradient, so a "
-            "clip coefficient can differ in its last bits; between engine.backward and engine.step the "
-            "blocks' 16-bit weights stay freed, as at ZeRO-3. \"auto\": the lower of the early and end "
-            "peaks by partita estimate for partita's GPT, early for other models."
+            "clip coefficient can differ in its last bits. \"auto\": stream where it applies, else the lower "
+            "of the early and end peaks by partita estimate for partita's GPT, else early."
         ),
     )
     sub_group_size: JsonInt = Field(

@@ -12,9 +12,10 @@ optimizer step read ``param.grad`` itself ("stream", streamed_step.py). The valu
   activations, and the partition joins them only at the end (4 + 2 bytes per parameter then);
   at stages 0-2 each block's 16-bit weights are freed again after its backward
   (one_rank_weights.py [Note: freed again after the unit's backward]);
-- stream: the full-size gradients as with end, never a partition; the blocks' weights stay freed
-  until the step writes them back. At no point does it hold more than early or end (the step's
-  fp32 buffer is one 64 MiB range), so "auto" takes it wherever it applies, for any model: one
+- stream: the full-size gradients as with end (each block's weights freed again after its
+  backward, back when backward returns), never a partition. At no point does it hold more than
+  early or end (the step's fp32 buffer is one 64 MiB range), so "auto" takes it wherever it
+  applies, for any model: one
   process, no offload, torch's fused Adam/AdamW or a block-wise 8-bit optimizer, no fp32
   accumulation, and accumulation only at stages 0-1. Measured on one H200 (docs/performance.md): GPT-1.3B micro-batch 1 19.14 GiB against
   early's 23.30 and FSDP2's 20.24 at early's tokens/s; GPT-6.7B ZeRO-3 checkpointed 88.04 against

@@ -34,8 +34,12 @@ after the reducer's, so the gradient is already held), and ``restore`` brings th
 after ``finish_backward`` has folded the gradients and freed them. The same rule ZeRO-3 releases
 a unit by (``ParameterGatherer._release_one``), with the same limits (the module docstring's last
 paragraph). It costs one more cast of the blocks' weights per backward; "early" folding, whose
-peak is inside the backward, keeps refilled units whole instead. Under "stream" the units stay
-freed through the optimizer step too, and its write-back is their refill (streamed_step.py).
+peak is inside the backward, keeps refilled units whole instead. "stream" frees them again the
+same way (streamed_step.py). Both refill before ``engine.backward`` returns: ZeRO-1/2 promise
+whole weights between backward and step, and reading a freed parameter would crash the process
+(a tensor whose storage has 0 bytes), where keeping them freed through the step would save only
+GPT-1.3B micro-batch 1's 0.4 GiB (estimated: 19.67 against 19.27 GiB; larger micro-batches
+peak at the start of backward either way).
 
 [Note: when it is off]
 Built only when the whole job is one process (no data, tensor, sequence or pipeline axis), no
@@ -79,29 +83,25 @@ def build_one_rank_weights(
     world_size: int,
     delayed_update: bool,
     free_after_backward: bool = False,
-    freed_through_step: bool = False,
 ) -> OneRankWeights | None:
     """The freeing for ``module`` when it applies (see [Note: when it is off]), else None.
-    ``free_after_backward``: the reducer folds at the end of backward ([Note: freed again after
-    the unit's backward]); ``freed_through_step``: and the streamed step's write-back refills them."""
+    ``free_after_backward``: the reducer holds the gradients until the end of backward ([Note:
+    freed again after the unit's backward])."""
     from partita.pipe import PipelineModule
 
     if not enabled or world_size != 1 or delayed_update or isinstance(module, PipelineModule):
         return None
     if any(g.offloaded or g.aliases_params or g.layout.num_shards != 1 for g in groups):
         return None
-    weights = OneRankWeights(module, groups, free_after_backward=free_after_backward or freed_through_step,
-                             freed_through_step=freed_through_step)
+    weights = OneRankWeights(module, groups, free_after_backward=free_after_backward)
     return weights if weights.num_freeable else None
 
 
 class OneRankWeights:
     """Frees and refills the 16-bit weights of ``module``'s units (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, groups: list[ShardedParamGroup], *, free_after_backward: bool = False,
-                 freed_through_step: bool = False) -> None:
+    def __init__(self, module: nn.Module, groups: list[ShardedParamGroup], *, free_after_backward: bool = False) -> None:
         self._root = module
-        self._freed_through_step = freed_through_step
         # One shard: a parameter's elements start at its partition offset, unpadded.
         self._master_of = {param: (group, spec) for group in groups
                            for param, spec in zip(group.params, group.layout.specs)}
@@ -141,28 +141,6 @@ class OneRankWeights:
             self._refill(unit)
         if self._awaiting_grads:
             self._awaiting_grads.clear()  # units whose parameters got no gradient in that backward
-
-    def after_backward(self, *, step_follows: bool) -> None:
-        """The end of ``engine.backward``: refill what is still freed (units whose outputs got no
-        gradient, or, folding at the end, every block), unless the streamed step comes next and
-        its write-back refills them (``step_follows``: the accumulation boundary); then the units
-        refilled in this backward but not freed again (a parameter got no gradient) are freed too."""
-        if not (self._freed_through_step and step_follows):
-            self.restore()
-            return
-        for unit in list(self._awaiting_grads):
-            self._free(unit)
-        self._awaiting_grads.clear()
-
-    def reallocate_freed(self) -> None:
-        """Give every freed parameter its storage back without filling it: the caller (the
-        streamed step's write-back) writes the values next."""
-        for unit in self._freed:
-            for param in self._units[unit]:
-                param.data.untyped_storage().resize_(param.numel() * param.element_size())
-        self._freed.clear()
-        if self._awaiting_grads:
-            self._awaiting_grads.clear()
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:

@@ -32,9 +32,10 @@ The one difference: the global norm is summed per gradient (``torch._foreach_nor
 flat fp32 partition, so it can differ in its last bits, and so can the clip coefficient when
 clipping is active. With clipping inactive (or off) the run is bitwise the other rules'.
 
-With the blocks' 16-bit weights freed again after their backward (one_rank_weights.py [Note:
-freed again after the unit's backward]) they stay freed through the step, and the write-back after
-it is their refill: one ``torch._foreach_copy_`` per group from the new master, no cast buffer.
+At stages 0-2 the blocks' 16-bit weights are freed again after their backward, as with "end"
+(one_rank_weights.py [Note: freed again after the unit's backward]), and are whole again when
+``engine.backward`` returns. The write-back after the step is one ``torch._foreach_copy_`` per
+group from the new master, with no cast buffer.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from torch.optim.adam import adam
 
 from partita.optim import eight_bit
 from partita.optim.eight_bit import PER_BLOCK_KEYS, PER_ELEMENT_KEYS, block_span
-from partita.zero.one_rank_weights import OneRankWeights
 from partita.zero.shard_group import ShardedParamGroup
 
 __all__ = ["CHUNK_NUMEL", "STREAMABLE_EIGHT_BIT", "StreamedStep", "streamable_optimizer"]
@@ -83,11 +83,9 @@ class StreamedStep:
     over one flat master per group) from the model's ``param.grad`` in fp32 ranges (see the
     module docstring)."""
 
-    def __init__(self, groups: list[ShardedParamGroup], inner: torch.optim.Optimizer,
-                 weights: OneRankWeights | None) -> None:
+    def __init__(self, groups: list[ShardedParamGroup], inner: torch.optim.Optimizer) -> None:
         self._groups = groups
         self._inner = inner
-        self._weights = weights  # stages 0-2: blocks freed after their backward, refilled by write_back
         self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
         self._decoupled = isinstance(inner, torch.optim.AdamW)
         self._sources: list[tuple | None] = [None] * len(groups)  # write_back's cached master views
@@ -104,12 +102,10 @@ class StreamedStep:
         return float(torch.stack(norms).square().sum())
 
     def discard(self) -> None:
-        """A skipped step (inf/nan): drop the gradients and bring the freed weights back."""
+        """A skipped step (inf/nan): drop the gradients."""
         for group in self._groups:
             for param in group.params:
                 param.grad = None
-        if self._weights is not None:
-            self._weights.restore()
 
     @torch.no_grad()
     def step(self, multiplier: float) -> None:
@@ -221,9 +217,7 @@ class StreamedStep:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Stages 0-2: the new master into the model, the freed blocks' storage given back first."""
-        if self._weights is not None:
-            self._weights.reallocate_freed()
+        """Stages 0-2: the new master into the model."""
         for g, group in enumerate(self._groups):
             if group.aliases_params:
                 continue  # the parameters are views of the master
