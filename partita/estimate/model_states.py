@@ -123,6 +123,12 @@ def streams_step(setup: Setup, host_groups: list[ZeroGroup]) -> bool:
     return setup.streamed_step and setup.world_size == 1 and not host_groups
 
 
+def frees_weights_again(setup: Setup) -> bool:
+    """Each block's weights are freed again after its backward (one_rank_weights.py [Note: freed
+    again after the unit's backward]): one_rank_gradient_fold "end" only."""
+    return setup.fold_gradients_at_end and not setup.streamed_step
+
+
 def frees_block_weights(setup: Setup, groups: list[ZeroGroup]) -> bool:
     """``zero_optimization.one_rank_free_weights`` applies (partita/zero/one_rank_weights.py): one
     process, stages 0-2, no group offloaded or aliased to its master, no delayed update."""
@@ -210,7 +216,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
                               "accelerator", d * (_sum(plain, lambda g: sum(p.numel for p in g.params)) - blocks)))
             # With one_rank_gradient_fold "end" or "stream" each block's are freed again after its
             # backward and come back after finish_backward ([Note: freed again after the unit's backward]).
-            phases = {BACKWARD, STEP, WRITE_BACK} | (set() if setup.fold_gradients_at_end else {END_BACKWARD})
+            phases = {BACKWARD, STEP, WRITE_BACK} | (set() if frees_weights_again(setup) else {END_BACKWARD})
             lines.append(Line("parameters", f"{setup.dtype} block parameters (freed from forward to backward)",
                               "accelerator", d * blocks, frozenset(phases),
                               note="cast back from the fp32 master before each block's backward",

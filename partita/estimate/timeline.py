@@ -31,7 +31,7 @@ from partita.estimate.activations import gpt_activations
 from partita.estimate.buffers import IN_FLIGHT, bucket_bytes, packs_buckets, reduce_buckets
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
-from partita.estimate.model_states import fp32_sums_active, holds_grads_across_micro_batches
+from partita.estimate.model_states import fp32_sums_active, frees_weights_again, holds_grads_across_micro_batches
 from partita.estimate.result import BACKWARD, Line
 
 __all__ = ["DYNAMIC_KINDS", "gpt_backward_walk"]
@@ -80,6 +80,7 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
     held = holds_grads_across_micro_batches(setup)
     sums = fp32_sums_active(setup)
     one_rank = setup.world_size == 1
+    again = frees_weights_again(setup)
 
     worst = 0
     for e in range(layers + 2):
@@ -108,7 +109,7 @@ def gpt_backward_walk(info: ModelInfo, setup: Setup, lines: list[Line]) -> int:
         # Freed block weights: each block's are cast back just before its backward (that of block
         # L - 1 - e, whose recomputation the snapshot holds) and stay; folding at the end, they
         # are freed again once the block's gradients are in (one_rank_weights.py).
-        came_back = (lambda o: ready_at[o] == e + 1) if setup.fold_gradients_at_end else (lambda o: ready_at[o] <= e + 1)
+        came_back = (lambda o: ready_at[o] == e + 1) if again else (lambda o: ready_at[o] <= e + 1)
         weights = d * sum(numel[o] for o in in_blocks if came_back(o)) if refills else 0
         total = saved + recompute + grads + alive + weights + (partition if has_partition else 0)
         worst = max(worst, total)

@@ -194,7 +194,7 @@ def apply_zero(
         one_rank = build_one_rank_weights(module, groups, enabled=config.one_rank_free_weights,
                                           world_size=topology.world_size,
                                           delayed_update=offload.enabled and offload.delayed_param_update,
-                                          free_after_backward=config.one_rank_gradient_fold in ("end", "stream"))
+                                          free_after_backward=config.one_rank_gradient_fold == "end")
         if one_rank is not None:
             optimizer.after_write_back.append(one_rank.synced)
     if config.one_rank_gradient_fold == "stream":

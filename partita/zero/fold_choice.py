@@ -12,8 +12,8 @@ optimizer step read ``param.grad`` itself ("stream", streamed_step.py). The valu
   activations, and the partition joins them only at the end (4 + 2 bytes per parameter then);
   at stages 0-2 each block's 16-bit weights are freed again after its backward
   (one_rank_weights.py [Note: freed again after the unit's backward]);
-- stream: the full-size gradients as with end (each block's weights freed again after its
-  backward, back when backward returns), never a partition. At no point does it hold more than
+- stream: the full-size gradients as with end (the blocks' weights back for good before their
+  backward, as with early), never a partition. At no point does it hold more than
   early or end (the step's fp32 buffer is one 64 MiB range), so "auto" takes it wherever it
   applies, for any model: one
   process, no offload, torch's fused Adam/AdamW or a block-wise 8-bit optimizer, no fp32

@@ -34,12 +34,11 @@ after the reducer's, so the gradient is already held), and ``restore`` brings th
 after ``finish_backward`` has folded the gradients and freed them. The same rule ZeRO-3 releases
 a unit by (``ParameterGatherer._release_one``), with the same limits (the module docstring's last
 paragraph). It costs one more cast of the blocks' weights per backward; "early" folding, whose
-peak is inside the backward, keeps refilled units whole instead. "stream" frees them again the
-same way (streamed_step.py). Both refill before ``engine.backward`` returns: ZeRO-1/2 promise
-whole weights between backward and step, and reading a freed parameter would crash the process
-(a tensor whose storage has 0 bytes), where keeping them freed through the step would save only
-GPT-1.3B micro-batch 1's 0.4 GiB (estimated: 19.67 against 19.27 GiB; larger micro-batches
-peak at the start of backward either way).
+peak is inside the backward, keeps refilled units whole instead, and so does "stream"
+(streamed_step.py): its step needs the gradients and the whole model at once either way (the
+weights must be whole when ``engine.backward`` returns: ZeRO-1/2 promise whole weights between
+backward and step, and reading a freed parameter would crash the process), so freeing again
+would cost a cast per block and step for 0.15 GiB of GPT-1.3B micro-batch 1's peak (estimated).
 
 [Note: when it is off]
 Built only when the whole job is one process (no data, tensor, sequence or pipeline axis), no

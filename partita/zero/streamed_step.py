@@ -32,10 +32,10 @@ The one difference: the global norm is summed per gradient (``torch._foreach_nor
 flat fp32 partition, so it can differ in its last bits, and so can the clip coefficient when
 clipping is active. With clipping inactive (or off) the run is bitwise the other rules'.
 
-At stages 0-2 the blocks' 16-bit weights are freed again after their backward, as with "end"
-(one_rank_weights.py [Note: freed again after the unit's backward]), and are whole again when
-``engine.backward`` returns. The write-back after the step is one ``torch._foreach_copy_`` per
-group from the new master, with no cast buffer.
+At stages 0-2 the blocks' 16-bit weights come back before their backward and stay, as with
+"early" (one_rank_weights.py), so the model is whole when ``engine.backward`` returns. The
+write-back after the step is one ``torch._foreach_copy_`` per group from the new master, with no
+cast buffer.
 """
 
 from __future__ import annotations
