@@ -49,8 +49,8 @@ def _peak(micro_batch: int, stage: int, checkpointing: str, end: bool, *, stream
 
 
 def test_estimated_peaks_of_the_streamed_step():
-    # No fp32 partition: measured on one H200 (docs/performance.md) GPT-1.3B micro-batch 1 19.14 GiB
-    # at stages 1-3 (FSDP2 20.24; early 23.30), micro-batch 2 23.31, micro-batch 8 48.33 (both FSDP2's),
+    # No fp32 partition: measured on one H200 (docs/performance.md) GPT-1.3B micro-batch 1 20.05 GiB
+    # at stages 1-2, 19.14 at stage 3 (FSDP2 20.24; early 23.30), micro-batch 2 23.31, micro-batch 8 48.33 (both FSDP2's),
     # GPT-6.7B ZeRO-3 checkpointed 88.04 (FSDP2 100.81; early 101.38).
     assert round(_peak(1, 2, "none", False, stream=True), 2) == 19.82  # the end of backward: the blocks are back
     assert round(_peak(1, 3, "none", False, stream=True), 2) == 19.56
