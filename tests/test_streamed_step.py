@@ -12,6 +12,8 @@ coefficient may differ in their last bits only. What is alive after backward: no
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -30,12 +32,14 @@ def _model():
 
 
 def _cfg(stage: int, fold: str, *, clip: float = BIG_CLIP, gas: int = 1, dtype: str = "bf16", optimizer: dict | None = None,
-         **zero) -> dict:
+         scheduler: dict | None = None, **zero) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
            "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
            "zero_optimization": {"stage": stage, "one_rank_gradient_fold": fold,
                                  "stage3_param_persistence_threshold": 20, **zero},
            "steps_per_print": 10**6}
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
     if dtype == "fp16":
@@ -61,8 +65,13 @@ def _train(stage: int, fold: str, *, steps: int = 3, save_to: str | None = None,
     if load_from is not None:
         engine.load_checkpoint(load_from, tag="t")
     g = torch.Generator().manual_seed(1)
-    out = {"losses": [], "norms": [], "applied": [], "after_backward": []}
+    out = {"losses": [], "norms": [], "applied": [], "after_backward": [], "lrs": []}
     gas = kw.get("gas", 1)
+    stepped = []  # the inner optimizer's step hooks run once per step under every rule
+    engine.optimizer.inner.register_step_post_hook(lambda *_: stepped.append(1))
+    caught = warnings.catch_warnings(record=True)
+    seen_warnings = caught.__enter__()
+    warnings.simplefilter("always")
     for micro in range(steps * gas):
         x = torch.randint(0, 37, (2, 8), generator=g)
         loss = engine(x, x)[1]
@@ -78,6 +87,10 @@ def _train(stage: int, fold: str, *, steps: int = 3, save_to: str | None = None,
         if (micro + 1) % gas == 0:
             out["norms"].append(engine.get_global_grad_norm())
             out["applied"].append(engine.was_step_applied())
+            out["lrs"].append(engine.get_lr())
+    caught.__exit__(None, None, None)
+    out["scheduler_warnings"] = [str(w.message) for w in seen_warnings if "lr_scheduler" in str(w.message)]
+    out["step_hooks"] = len(stepped)
     if save_to is not None:
         engine.save_checkpoint(save_to, tag="t")
     out.update(_snapshot(engine))
@@ -111,6 +124,8 @@ def _bitwise_cases() -> dict:
     out["gas2"] = (_train(1, "early", gas=2), _train(1, "stream", gas=2, watch=True))
     out["fp16"] = (_train(2, "early", dtype="fp16", steps=4), _train(2, "stream", dtype="fp16", steps=4))
     out["fp32"] = (_train(2, "early", dtype="fp32"), _train(2, "stream", dtype="fp32"))
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
+    out["scheduler"] = (_train(2, "early", scheduler=warmup), _train(2, "stream", scheduler=warmup))
     # amsgrad (a third moment-shaped state) and classic Adam (L2 weight decay, not decoupled)
     amsgrad = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}}
     out["amsgrad"] = (_train(2, "early", optimizer=amsgrad), _train(2, "stream", optimizer=amsgrad))
@@ -134,6 +149,8 @@ def test_stream_is_bitwise_early_when_clipping_is_inactive() -> None:
         # The norms are summed per gradient (not over the flat partition): equal to fp32 rounding.
         assert stream["norms"] == pytest.approx(early["norms"], rel=1e-6, nan_ok=True), case
         assert stream["applied"] == early["applied"], case
+        assert stream["lrs"] == early["lrs"] and stream["step_hooks"] == early["step_hooks"], case
+        assert stream["scheduler_warnings"] == early["scheduler_warnings"] == [], case
     assert results["fp16"][1]["applied"][0] is False and all(results["fp16"][1]["applied"][-2:])  # skips happened
     for case in (0, 1, 2, "gas2"):
         early, stream = results[case]

@@ -119,6 +119,15 @@ class StreamedStep:
             self._inner.to_gpu()
             self._inner.initialized = True
         grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32) if multiplier != 1.0 else None
+        self._step_ranges(multiplier, grad_scale)
+        # The inner optimizer's own step() once, over masters without .grad (so its math is a no-op):
+        # an LR scheduler then sees the optimizer stepped before it (torch warns otherwise), and
+        # hooks registered with register_step_post_hook run, as after the flat step.
+        if any(g.master.grad is not None for g in self._groups):
+            raise RuntimeError("partita: a master has a .grad in the streamed step; it steps from param.grad only")
+        self._inner.step()
+
+    def _step_ranges(self, multiplier: float, grad_scale: torch.Tensor | None) -> None:
         for g, (group, options) in enumerate(zip(self._groups, self._inner.param_groups)):
             if any(p.grad is not None for p in group.params):  # else the flat step skips it (master.grad None)
                 if self._eight_bit:
