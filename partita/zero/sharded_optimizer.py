@@ -219,55 +219,52 @@ class ShardedOptimizer:
         :meth:`finish_pending_step`): the next micro-batches run on weights one update old.
         """
         self.finish_pending_step(into_forward=True)
-        if self.streamed is not None:
-            return self._streamed_step(loss_scale, received, after)
-        norm_sq, used = self._reduce_norm_and_usage(received)
+        if self.streamed is not None:  # one process, no gradient partition (streamed_step.py)
+            norm_sq, used = self.streamed.grad_norm_sq(), received
+        else:
+            norm_sq, used = self._reduce_norm_and_usage(received)
         norm = math.sqrt(norm_sq) / loss_scale
         if not math.isfinite(norm):
-            self.zero_grad()
+            if self.streamed is not None:
+                self.streamed.discard()
+            else:
+                self.zero_grad()
             return StepResult(applied=False, grad_norm=norm)
         multiplier = 1.0 / loss_scale
         if self._clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly.
             multiplier *= min(1.0, self._clip / (norm + 1e-6))
-        grads = [group.take_grad_partition() for group in self.groups]  # the next backward starts a new one
-        if self._background is not None:
-            self._pending = (self._background.submit(self._apply_update, grads, multiplier, used, cast_for_upload=True),
-                             after)
-            return StepResult(applied=True, grad_norm=norm)
-        if can_pipeline(self) and self.overlapped is not None:
-            self._start_overlapped_update(grads, multiplier, used)  # runs on beside the next forward
-        elif can_pipeline(self):
-            self._apply_update(grads, multiplier, used, upload=True)  # stepped and written back bucket by bucket
+        if self.streamed is not None:
+            self._apply_streamed_update(multiplier, used)
         else:
-            self._apply_update(grads, multiplier, used)
-            self.write_back_params()
+            grads = [group.take_grad_partition() for group in self.groups]  # the next backward starts a new one
+            if self._background is not None:
+                self._pending = (self._background.submit(self._apply_update, grads, multiplier, used,
+                                                         cast_for_upload=True), after)
+                return StepResult(applied=True, grad_norm=norm)
+            if can_pipeline(self) and self.overlapped is not None:
+                self._start_overlapped_update(grads, multiplier, used)  # runs on beside the next forward
+            elif can_pipeline(self):
+                self._apply_update(grads, multiplier, used, upload=True)  # stepped and written back bucket by bucket
+            else:
+                self._apply_update(grads, multiplier, used)
+                self.write_back_params()
         if after is not None:
             after()
         return StepResult(applied=True, grad_norm=norm)
 
-    def _streamed_step(self, loss_scale: float, used: list[list[bool]], after: Callable[[], None] | None) -> StepResult:
-        """:meth:`step` at one process without a gradient partition (streamed_step.py): the same
-        norm, skip, clip and unused-parameter rules; stages 0-2 write back by plain copies."""
-        norm = math.sqrt(self.streamed.grad_norm_sq()) / loss_scale
-        if not math.isfinite(norm):
-            self.streamed.discard()
-            return StepResult(applied=False, grad_norm=norm)
-        multiplier = 1.0 / loss_scale
-        if self._clip > 0:
-            multiplier *= min(1.0, self._clip / (norm + 1e-6))  # as in step()
+    def _apply_streamed_update(self, multiplier: float, used: list[list[bool]]) -> None:
+        """The update without a gradient partition (streamed_step.py): unused parameters kept as
+        in the flat step; stages 0-2 write back by plain copies, ZeRO-3 refreshes its shards."""
         kept = self._save_unused(used)
         self.streamed.step(multiplier)
         self._restore_unused(kept)
         if self.param_store is not None:
-            self.write_back_params()  # ZeRO-3: the shards follow the master
-        else:
-            self.streamed.write_back()
-            for listener in self.after_write_back:
-                listener()
-        if after is not None:
-            after()
-        return StepResult(applied=True, grad_norm=norm)
+            self.write_back_params()
+            return
+        self.streamed.write_back()
+        for listener in self.after_write_back:
+            listener()
 
     @torch.no_grad()
     def _apply_update(
