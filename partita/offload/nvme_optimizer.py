@@ -282,7 +282,7 @@ class SwappedOptimizerStates:
 
         ``used[g][i]``: whether parameter ``i`` of group ``g`` got a gradient on any rank; the
         states of those that did not are kept (their master weights are restored by the caller,
-        :meth:`ShardedOptimizer._restore_unused`), as the in-memory path does.
+        partita.zero.unused_params.restore_unused), as the in-memory path does.
         """
         started, io_before = time.perf_counter(), self.store.io_counters()
         stats = SwapStepStats()

@@ -12,6 +12,7 @@ from torch import nn
 from partita.config.base import ConfigError
 from partita.distributed.topology import Topology
 from partita.offload.config import AioConfig
+from partita.offload.host_gradients import use_model_dtype_gradients
 from partita.offload.tiers import tier_parts
 from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
@@ -24,6 +25,7 @@ from partita.zero.policy import ZeroPolicy
 from partita.zero.reducer import GradientReducer
 from partita.zero.shard_group import ShardComm, ShardedParamGroup
 from partita.zero.sharded_optimizer import ShardedOptimizer
+from partita.zero.state_dict_guard import guard_state_dict
 from partita.zero.streamed_step import StreamedStep, streamable_optimizer
 from partita.tensor_parallel.layers import replicated_elsewhere
 
@@ -55,6 +57,7 @@ def apply_zero(
     accumulate_in_fp32: bool = False,
     aio: AioConfig | None = None,
     param_comms: Mapping[nn.Parameter, ShardComm] | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> ZeroState:
     """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
 
@@ -77,6 +80,8 @@ def apply_zero(
             (expert parameters over their expert-data group, see partita/moe); each user
             param group is split into one ZeRO group per comm, the ZeRO group's part first.
             Gradients are still averaged over the whole ZeRO world (see reducer.py).
+        gradient_accumulation_steps: micro-batches per step (whether the offloaded gradient
+            partition gets one pass per step, partita/offload/host_gradients.py).
     """
     offload = config.offload_optimizer
     policy = ZeroPolicy.for_stage(config.stage)
@@ -119,6 +124,10 @@ def apply_zero(
                     )
                 )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
+    # One process, one gradient pass per step: the host partition in the model dtype (exact, fewer bytes).
+    use_model_dtype_gradients(groups, inner, zero_size=topology.zero_size, stage=config.stage,
+                              tiers=offload.tier_fractions(), fp32_sums=accumulate_in_fp32,
+                              gradient_accumulation_steps=gradient_accumulation_steps)
     optimizer = ShardedOptimizer(
         groups,
         inner,
@@ -188,6 +197,9 @@ def apply_zero(
             aio=aio or AioConfig(),
         )
         optimizer.param_store = gatherer
+        # state_dict() of a module whose parameters are freed: placeholders instead of entries that
+        # crash on reading; load_state_dict raises instead of writing into no storage (state_dict_guard.py).
+        guard_state_dict(module, gatherer.is_sharded_param)
     one_rank = None
     if gatherer is None:
         # One process: each block's 16-bit weights are freed between its forward and its backward.

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from partita.distributed import collectives
 from partita.optim.eight_bit import step_eight_bit
+from partita.optim.fused_adam_range import fused_adam_optimizer
+from partita.offload.host_gradients import create_states
 from partita.offload.pipelined_step import (
     can_pipeline,
     snapshot_options,
@@ -29,15 +31,12 @@ from partita.offload.pipelined_step import (
 )
 from partita.zero.partition import Bucket
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
+from partita.zero.unused_params import restore_unused, save_unused
 
 if TYPE_CHECKING:
     from partita.offload.nvme_optimizer import SwappedOptimizerStates
     from partita.offload.overlapped_step import OverlappedStep
     from partita.zero.streamed_step import StreamedStep
-
-
-# Optimizer-state keys of block-wise (8-bit) optimizers; see partita/optim/eight_bit.py.
-_BLOCK_WISE_KEYS = ("state1", "state2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +100,7 @@ class ShardedOptimizer:
         self._background = ThreadPoolExecutor(1, thread_name_prefix="partita-step") if delayed_update else None
         # torch's fused Adam/AdamW take a gradient divisor (``grad_scale``): the step's unscale and
         # clip multiplier can ride along instead of a separate pass (see _apply_update).
-        self._fused_adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(
-            g.get("fused") for g in inner.param_groups)
+        self._fused_adam = fused_adam_optimizer(inner)
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
         self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
         self._uploads_queued: torch.cuda.Event | None = None  # see _note_uploads_queued
@@ -238,6 +236,8 @@ class ShardedOptimizer:
             self._apply_streamed_update(multiplier, used)
         else:
             grads = [group.take_grad_partition() for group in self.groups]  # the next backward starts a new one
+            if self._casts_host_grads:
+                create_states(self)  # model-dtype host gradients step by range only, from the first step on
             if self._background is not None:
                 self._pending = (self._background.submit(self._apply_update, grads, multiplier, used,
                                                          cast_for_upload=True), after)
@@ -256,9 +256,9 @@ class ShardedOptimizer:
     def _apply_streamed_update(self, multiplier: float, used: list[list[bool]]) -> None:
         """The update without a gradient partition (streamed_step.py): unused parameters kept as
         in the flat step; stages 0-2 write back by plain copies, ZeRO-3 refreshes its shards."""
-        kept = self._save_unused(used)
+        kept = save_unused(self.groups, self.inner, used)
         self.streamed.step(multiplier)
-        self._restore_unused(kept)
+        restore_unused(kept)
         if self.param_store is not None:
             self.write_back_params()
             return
@@ -286,7 +286,7 @@ class ShardedOptimizer:
             if in_kernel:
                 del self.inner.grad_scale
         for group, grad in zip(self.groups, grads):
-            group.master.grad = None
+            group.set_step_grad(None)
             group.recycle_grad_buffer(grad)
             if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
                 group.fill_upload_copy()
@@ -315,7 +315,7 @@ class ShardedOptimizer:
         for group, grad in zip(self.groups, grads):
             if grad is not None and multiplier != 1.0 and not in_kernel and (scale_offloaded or not group.offloaded):
                 grad.mul_(multiplier)
-            group.master.grad = grad  # None: the group got no gradient; torch skips it
+            group.set_step_grad(grad)  # None: the group got no gradient; torch skips it
         return in_kernel
 
     @torch.no_grad()
@@ -324,10 +324,10 @@ class ShardedOptimizer:
         reads shared state (the learning rates, the clip divisor, the on-accelerator groups'
         step) happens here, before ``step()`` returns and the LR scheduler steps."""
         in_kernel = self._prepare_update(grads, multiplier, scale_offloaded=False)  # the worker scales those
-        kept = self._save_unused(used)
+        kept = save_unused(self.groups, self.inner, used)
 
         def restore(g: int, start: int, end: int) -> None:
-            self._restore_unused(kept, group=g, start=start, end=end)
+            restore_unused(kept, group=g, start=start, end=end)
 
         try:
             held = step_accelerator_groups(self, restore)
@@ -345,10 +345,10 @@ class ShardedOptimizer:
                 # Buckets in the forward's order (the reverse of the layout's), so the first
                 # blocks' weights are up first and the forward can start on them.
                 step_offloaded_groups(self, held, restore, options, on_bucket, forward_order=True)
-                self._restore_unused(kept)
+                restore_unused(kept)
             finally:
                 for group, grad in zip(self.groups, grads):
-                    group.master.grad = None
+                    group.set_step_grad(None)
                     group.recycle_grad_buffer(grad)
 
         self.overlapped.start(job)
@@ -382,10 +382,10 @@ class ShardedOptimizer:
             self.groups[g].upload_copy_sent()
 
     def _step_inner(self, used: list[list[bool]], *, upload: bool) -> None:
-        kept = self._save_unused(used)  # swapped groups: their masters only (their states are kept by the swapper)
+        kept = save_unused(self.groups, self.inner, used)  # swapped groups: their masters only (their states are kept by the swapper)
 
         def restore(g: int, start: int, end: int) -> None:
-            self._restore_unused(kept, group=g, start=start, end=end)
+            restore_unused(kept, group=g, start=start, end=end)
 
         if upload:
             step_and_upload(self, restore)
@@ -397,13 +397,22 @@ class ShardedOptimizer:
             held = step_accelerator_groups(self, restore)
             step_offloaded_groups(self, held, restore, snapshot_options(self), forward_order=True, write_back=False,
                                   before_bucket=self.overlapped.wait_landed)
+        elif self._casts_host_grads:
+            # Model-dtype host gradients (the delayed update landing whole): only ranges cast them.
+            held = step_accelerator_groups(self, restore)
+            step_offloaded_groups(self, held, restore, snapshot_options(self), write_back=False)
         elif self.swapper is None and self._eight_bit:
             step_eight_bit(self.inner)  # partitions over bitsandbytes' 32-bit limit go in chunks
         elif self.swapper is None:
             self.inner.step()
         else:
             self.swapper.step(self.inner, used)
-        self._restore_unused(kept)
+        restore_unused(kept)
+
+    @property
+    def _casts_host_grads(self) -> bool:
+        """Whether the host gradient partitions are in the model's dtype (host_gradients.py)."""
+        return any(g.host_grad_dtype != torch.float32 for g in self.groups)
 
     @property
     def update_pending(self) -> bool:
@@ -429,41 +438,6 @@ class ShardedOptimizer:
             self.write_back_params()
         if after is not None:
             after()
-
-    def _state_views(self, group: ShardedParamGroup, lo: int, hi: int) -> list[torch.Tensor]:
-        """Views of the master partition and of every optimizer-state tensor covering
-        partition elements ``[lo, hi)`` (one parameter's shard)."""
-        state = self.inner.state.get(group.master, {})
-        if any(key in state for key in _BLOCK_WISE_KEYS):
-            # 8-bit states: per-element codes plus per-block scales (layout is block-aligned).
-            from partita.optim.eight_bit import range_views
-
-            return [group.master[lo:hi]] + range_views(state, lo, hi)
-        shaped = [t for t in state.values() if torch.is_tensor(t) and t.shape == group.master.shape]
-        return [t[lo:hi] for t in [group.master] + shaped]
-
-    def _save_unused(self, used: list[list[bool]]) -> list[list]:
-        """Copies of the weights and states of parameters no rank produced a gradient for:
-        entries ``[group index, partition start, partition end, view, saved copy]``."""
-        kept = []
-        for g, (group, group_used) in enumerate(zip(self.groups, used)):
-            for spec, was_used in zip(group.layout.specs, group_used):
-                if not was_used:
-                    lo, hi = spec.partition_offset, spec.partition_offset + spec.shard_numel
-                    kept.extend([g, lo, hi, view, view.clone()] for view in self._state_views(group, lo, hi))
-        return kept
-
-    @staticmethod
-    @torch.no_grad()
-    def _restore_unused(kept: list[list], *, group: int | None = None, start: int = 0, end: int | None = None) -> None:
-        """Put the saved copies back (only group ``group``'s entries lying within partition
-        elements ``[start, end)``, if given); each entry is restored once."""
-        for entry in kept:
-            g, lo, hi, view, saved = entry
-            if saved is None or (group is not None and (g != group or lo < start or hi > end)):
-                continue
-            view.copy_(saved)
-            entry[4] = None
 
     @torch.no_grad()
     def write_back_params(self) -> None:

@@ -43,10 +43,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch.optim.adam import adam
 
 from partita.optim import eight_bit
 from partita.optim.eight_bit import PER_BLOCK_KEYS, PER_ELEMENT_KEYS, block_span
+from partita.optim.fused_adam_range import adam_state, fused_adam_optimizer, step_adam_range
 from partita.zero.shard_group import ShardedParamGroup
 
 __all__ = ["CHUNK_NUMEL", "STREAMABLE_EIGHT_BIT", "StreamedStep", "streamable_optimizer"]
@@ -64,18 +64,8 @@ def streamable_optimizer(inner: torch.optim.Optimizer) -> bool:
     """Whether the streamed step can drive ``inner``: torch's fused Adam/AdamW, or one of
     :data:`STREAMABLE_EIGHT_BIT`."""
     if type(inner) in (torch.optim.Adam, torch.optim.AdamW):
-        return all(g.get("fused") for g in inner.param_groups)
+        return fused_adam_optimizer(inner)
     return type(inner).__module__.startswith("bitsandbytes") and type(inner).__name__ in STREAMABLE_EIGHT_BIT
-
-
-def _scalar_dtype() -> torch.dtype:
-    """The dtype torch's fused Adam keeps ``state["step"]`` in (``Adam._init_group``)."""
-    try:
-        from torch.optim.optimizer import _get_scalar_dtype
-
-        return _get_scalar_dtype(is_fused=True)
-    except (ImportError, TypeError):  # private helper; its rule: float32 unless the default is float64
-        return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 class StreamedStep:
@@ -87,7 +77,6 @@ class StreamedStep:
         self._groups = groups
         self._inner = inner
         self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
-        self._decoupled = isinstance(inner, torch.optim.AdamW)
         self._sources: list[tuple | None] = [None] * len(groups)  # write_back's cached master views
 
     def grads(self) -> list[torch.Tensor]:
@@ -160,7 +149,7 @@ class StreamedStep:
                 if end > start:
                     piece = grad[start - lo : end - lo]
                     if param.grad is None:
-                        piece.zero_()  # stepped as zeros and restored (ShardedOptimizer._restore_unused)
+                        piece.zero_()  # stepped as zeros and restored (partita.zero.unused_params.restore_unused)
                     else:
                         offset = start - spec.partition_offset
                         piece.copy_(param.grad.reshape(-1)[offset : offset + (end - start)])
@@ -177,29 +166,8 @@ class StreamedStep:
 
     def _adam_range(self, options: dict, grad_scale: torch.Tensor | None, master: torch.Tensor, lo: int, hi: int,
                     grad: torch.Tensor) -> None:
-        state = self._adam_state(master, options)
-        chunk_step = state["step"].clone()  # adam() adds one: each range steps with the group's next count
-        amsgrad = options["amsgrad"]
-        adam(
-            [master[lo:hi]], [grad], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]],
-            [state["max_exp_avg_sq"][lo:hi]] if amsgrad else [], [chunk_step],
-            capturable=options["capturable"], differentiable=False, fused=True, grad_scale=grad_scale,
-            found_inf=None, has_complex=False,
-            decoupled_weight_decay=options.get("decoupled_weight_decay", self._decoupled),
-            amsgrad=amsgrad, beta1=options["betas"][0], beta2=options["betas"][1], lr=options["lr"],
-            weight_decay=options["weight_decay"], eps=options["eps"], maximize=options["maximize"],
-        )
-
-    def _adam_state(self, master: torch.Tensor, options: dict) -> dict:
-        """torch's state of ``master``, created as ``Adam._init_group`` does on its first step."""
-        state = self._inner.state[master]
-        if not state:
-            state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=master.device)
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            if options["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        return state
+        state = adam_state(self._inner, master, options)
+        step_adam_range(self._inner, options, master, lo, hi, grad, state["step"], grad_scale)
 
     def _eight_bit_range(self, g: int, options: dict, multiplier: float, master: torch.Tensor, lo: int, hi: int,
                          grad: torch.Tensor) -> None:
