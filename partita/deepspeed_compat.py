@@ -98,8 +98,9 @@ ENGINE: dict[str, str] = {
     "set_train_batch_size": "engine.set_train_batch_size() is not in partita: batch sizes are fixed at initialize()",
     "set_train_micro_batch_size": "engine.set_train_micro_batch_size() is not in partita: batch sizes are fixed at initialize()",
     "module_state_dict": (
-        "engine.module_state_dict() is not in partita: engine.state_dict() (the module's, whole at ZeRO 0-2), "
-        "engine.get_fp32_state_dict() (fp32 weights at every stage) or engine.save_16bit_model(dir)"
+        "engine.module_state_dict() is not in partita: engine.state_dict() (the module's, whole at ZeRO 0-2; at "
+        "ZeRO-3 placeholders outside GatheredParameters), engine._zero3_consolidated_16bit_state_dict() (whole, "
+        "rank 0), engine.get_fp32_state_dict() (fp32 weights at every stage) or engine.save_16bit_model(dir)"
     ),
     "get_summary_writer": (
         "engine.get_summary_writer() is not in partita: the config's \"tensorboard\" section writes every logged "

@@ -356,6 +356,19 @@ class Engine:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's name (accelerate's ``get_state_dict`` calls it): the whole state dict in the
+        model's dtype as CPU tensors on rank 0, None on other ranks; all ranks must call. Unlike
+        DeepSpeed's it works at every ZeRO stage (see :func:`partita.zero.export.consolidated_16bit_state_dict`).
+        At ZeRO-3 ``engine.module.state_dict()`` has placeholders instead (partita/zero/state_dict_guard.py)."""
+        import torch.distributed as dist
+
+        from partita.zero.export import consolidated_16bit_state_dict
+
+        self.finish_pending_step()
+        state = consolidated_16bit_state_dict(self.module, self.zero, exclude_frozen_parameters=exclude_frozen_parameters)
+        return state if not dist.is_initialized() or dist.get_rank() == 0 else None
+
     def get_fp32_state_dict(self, rank0_only: bool = True) -> dict:
         """Full fp32 weights from the optimizer's master shards, keyed like the model's
         state_dict (all ranks must call; only rank 0 gets them when ``rank0_only``)."""

@@ -340,6 +340,11 @@ class PipelineEngine(Engine):
         raise NotImplementedError("get_fp32_state_dict of a pipeline engine is not implemented yet (each stage holds "
                                   "only its layers)")
 
+    def _zero3_consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        raise NotImplementedError("_zero3_consolidated_16bit_state_dict of a pipeline engine is not implemented yet "
+                                  "(each stage holds only its layers; pipelines run at ZeRO stages 0-2, where "
+                                  "engine.module.state_dict() is this stage's whole weights)")
+
 
 def _split(outputs: Any, parts: int) -> list[Any]:
     """The last stage's merged outputs cut back into micro-batches (torch merges them along dim 0)."""

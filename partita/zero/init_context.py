@@ -50,6 +50,15 @@ _SHARDS = WeakIdKeyDictionary()
 _BY_STORAGE: dict[int, weakref.ref] = {}
 
 
+# How many zero.Init contexts are open (their dispatch mode on): state_dict_guard.py stands aside.
+_OPEN_CONTEXTS = [0]
+
+
+def sharded_access_active() -> bool:
+    """Inside a zero.Init context, where every op on a sharded parameter sees its whole value."""
+    return _OPEN_CONTEXTS[0] > 0
+
+
 def init_shard_of(param: nn.Parameter) -> torch.Tensor | None:
     return _SHARDS.get(param)
 
@@ -185,12 +194,14 @@ class Init:
         nn.Module.apply = _gathering_apply
         self._access = _ShardedParamAccess()
         self._access.__enter__()
+        _OPEN_CONTEXTS[0] += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self._enabled:
             return
         self._access.__exit__(None, None, None)
+        _OPEN_CONTEXTS[0] -= 1
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched.clear()
@@ -225,9 +236,13 @@ class Init:
 
     @torch.no_grad()
     def _shard_direct_params(self, module: nn.Module) -> None:
+        from partita.zero.state_dict_guard import guard_module
+
         for name, param in list(module._parameters.items()):
             if param is None or param in _SHARDS:
                 continue
+            # After the context (until initialize) its state_dict entries are freed: placeholders then.
+            guard_module(module)
             data = param.data.to(device=self._device, dtype=self._dtype if param.is_floating_point() else None)
             data = data.clone() if data.data_ptr() == param.data.data_ptr() else data  # a storage of its own
             per_rank = _shard_numel(data.numel(), self._world)

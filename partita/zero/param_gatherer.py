@@ -17,7 +17,8 @@ Autograd saves parameter tensors for backward by reference. To free a parameter 
 invalidating those references, its storage is resized to 0 bytes and resized back before
 it is needed again; the ``nn.Parameter`` object, its shape and the model's state_dict keys
 never change. Each parameter's state (SHARDED or GATHERED) is kept here, keyed by the
-parameter, and every transition is checked.
+parameter, and every transition is checked. ``state_dict()`` neither crashes on a freed
+parameter nor loses an entry taken while it was whole: see partita/zero/state_dict_guard.py.
 
 [Note: reuse]
 When a unit's forward ends it is normally freed. With ``stage3_max_reuse_distance`` (as in
@@ -138,6 +139,7 @@ class ParameterGatherer:
         # gathering them costs more in latency than it saves in memory.
         self.persistent = {p for p in self._where if p.numel() <= persistence_threshold}
         self._state: dict[nn.Parameter, ParamState] = {}
+        self._handed_out: set[nn.Parameter] = set()  # see hand_out_storage
         self._unit_params = self._assign_units(model)
         # Collectives run where the parameters live, whatever the shards' or masters' location.
         self._device = groups[0].params[0].device
@@ -215,8 +217,20 @@ class ParameterGatherer:
         if data.storage_offset() != 0 or data.untyped_storage().nbytes() != data.numel() * data.element_size():
             param.data = data.clone()
 
-    @staticmethod
-    def _free(param: nn.Parameter) -> None:
+    def hand_out_storage(self, param: nn.Parameter) -> None:
+        """A ``state_dict()`` entry shares the whole parameter's storage (state_dict_guard.py)."""
+        self._handed_out.add(param)
+
+    def _free(self, param: nn.Parameter) -> None:
+        if param in self._handed_out:
+            # Resizing would empty the state dict's entry too: give the parameter a new empty
+            # storage instead (the same TensorImpl, so autograd's saved references follow it) and
+            # leave the old one, values intact, to the dict.
+            self._handed_out.discard(param)
+            fresh = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+            fresh.untyped_storage().resize_(0)
+            param.data = fresh
+            return
         param.data.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ hooks
