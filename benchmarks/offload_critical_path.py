@@ -72,7 +72,7 @@ def host_probe(numel: int, model_numel: int) -> dict:
     return result
 
 
-CAST_CHUNKS = (1 << 20, 1 << 21, 1 << 22, 1 << 23)
+CAST_CHUNKS = (1 << 21, 1 << 22, 1 << 23, 1 << 24, 1 << 25)
 
 
 def cast_step_probe(numel: int, model_numel: int) -> dict:

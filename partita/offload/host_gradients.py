@@ -42,10 +42,12 @@ if TYPE_CHECKING:
     from partita.zero.sharded_optimizer import ShardedOptimizer
     from partita.zero.shard_group import ShardedParamGroup
 
-CAST_CHUNK_NUMEL = 1 << 22
-"""Gradient elements cast to fp32 per kernel call (16 MiB; a power of two, see the note): small
-enough that the cast's output is still in the caches when the kernel reads it (each of 16
-threads' share is 1 MiB), large enough that per-call overhead stays near 1% of the step."""
+CAST_CHUNK_NUMEL = 1 << 23
+"""Gradient elements cast to fp32 per kernel call (a 32 MiB buffer; a power of two, see the note):
+small enough that the cast's output is still in the caches when the kernel reads it (each of 16
+threads' share is 2 MiB), large enough that per-call overhead stays small. On one H200 host
+(16 cores, 2 MiB L2 each, 300 MiB L3) 2^23 stepped GPT-1.3B's partition faster than 2^20-2^22
+(``benchmarks/offload_critical_path.py``'s ``cast_step`` probe)."""
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
