@@ -1,7 +1,7 @@
 """The offloaded gradient partition in the model's dtype (partita/offload/host_gradients.py).
 
-At one process with one gradient pass per step, a 16-bit model's host gradient partition keeps
-the gradients' own dtype and the step casts it range by range. Each run here is trained twice,
+With the delayed update at one process and one gradient pass per step, a 16-bit model's host
+gradient partition keeps the gradients' own dtype and the step casts it range by range. Each run here is trained twice,
 once so and once with the rule switched off (the fp32 partition of before), and the two must be
 bitwise equal: weights, norms, moments, and which steps an fp16 loss scaler skipped.
 """
@@ -85,16 +85,18 @@ def _assert_equal_runs(out: dict, labels: list[str]) -> None:
         assert (narrow["steps"], narrow["skipped"]) == (wide["steps"], wide["skipped"]), label
 
 
+def _delayed(**extra) -> dict:
+    return _offload(delayed_param_update=True, **extra)
+
+
 CASES = {
-    "stage 1": _config(1, 1, "bf16", **_offload()),
-    "stage 1, gas 2": _config(1, 2, "bf16", **_offload()),
-    "stage 2": _config(2, 1, "bf16", **_offload()),
-    "stage 2, delayed": _config(2, 1, "bf16", **_offload(delayed_param_update=True)),
-    "stage 2, overlap": _config(2, 1, "bf16", **_offload(overlap_step_with_forward=True)),
-    "stage 1, delayed + overlap": _config(1, 1, "bf16", **_offload(delayed_param_update=True,
-                                                                   overlap_step_with_forward=True)),
+    "stage 1": _config(1, 1, "bf16", **_delayed()),
+    "stage 1, gas 2": _config(1, 2, "bf16", **_delayed()),
+    "stage 2": _config(2, 1, "bf16", **_delayed()),
+    "stage 1, landing beside the forward": _config(1, 1, "bf16", **_delayed(overlap_step_with_forward=True)),
+    "stage 2, landing beside the forward": _config(2, 1, "bf16", **_delayed(overlap_step_with_forward=True)),
     # A loss scale of 2**16: the first two steps overflow and are skipped, the third applies.
-    "stage 2, fp16": {**_config(2, 1, "fp16", **_offload()), "fp16": {"enabled": True, "initial_scale_power": 16}},
+    "stage 2, fp16": {**_config(2, 1, "fp16", **_delayed()), "fp16": {"enabled": True, "initial_scale_power": 16}},
 }
 
 
@@ -109,12 +111,13 @@ def test_model_dtype_host_gradients_are_bitwise_the_fp32_partition() -> None:
 
 
 NOT_NARROW = {
-    "two processes": (2, _config(2, 1, "bf16", **_offload())),
-    "stage 2 with accumulation": (1, _config(2, 2, "bf16", **_offload())),
-    "stage 3": (1, _config(3, 1, "bf16", **_offload())),
-    "fp32 micro-batch sums": (1, {**_config(1, 2, "bf16", **_offload()), "data_types": {"grad_accum_dtype": "fp32"}}),
-    "part on the accelerator": (1, _config(2, 1, "bf16", **_offload(ratio=0.5))),
-    "fp32 model": (1, _config(2, 1, "fp32", **_offload())),
+    "the exact step": (1, _config(2, 1, "bf16", **_offload())),
+    "two processes": (2, _config(2, 1, "bf16", **_delayed())),
+    "stage 2 with accumulation": (1, _config(2, 2, "bf16", **_delayed())),
+    "stage 3": (1, _config(3, 1, "bf16", **_delayed())),
+    "fp32 micro-batch sums": (1, {**_config(1, 2, "bf16", **_delayed()), "data_types": {"grad_accum_dtype": "fp32"}}),
+    "part on the accelerator": (1, _config(2, 1, "bf16", **_delayed(ratio=0.5))),
+    "fp32 model": (1, _config(2, 1, "fp32", **_delayed())),
 }
 
 
@@ -126,13 +129,14 @@ def test_other_setups_keep_the_fp32_partition(case: str) -> None:
     _assert_equal_runs(out, [case])
 
 
-def test_an_unfused_host_adam_keeps_the_fp32_partition() -> None:
+def test_the_rule_needs_a_fused_host_adam_and_the_delayed_update() -> None:
     from partita.offload.host_gradients import keeps_model_dtype
 
-    base = dict(zero_size=1, stage=2, dtype=torch.bfloat16, tiers=(0.0, 1.0, 0.0), fused_adam=True, fp32_sums=False,
+    base = dict(delayed_update=True, zero_size=1, stage=2, dtype=torch.bfloat16, tiers=(0.0, 1.0, 0.0), fused_adam=True, fp32_sums=False,
                 gradient_accumulation_steps=1)
     assert keeps_model_dtype(**base)
     assert not keeps_model_dtype(**{**base, "fused_adam": False})
+    assert not keeps_model_dtype(**{**base, "delayed_update": False})
     assert not keeps_model_dtype(**{**base, "tiers": (0.0, 0.5, 0.5)})
     assert keeps_model_dtype(**{**base, "stage": 1, "gradient_accumulation_steps": 4})
 

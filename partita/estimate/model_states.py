@@ -48,7 +48,7 @@ fp32 master, fp32 gradient partition and optimizer states live in host memory ("
 ``buffer_count`` state buffers instead (partita keeps master and gradients in host memory).
 Gradients and weights cross through ``buffer_count`` pinned staging buffers of
 ``STAGING_BYTES``. ``delayed_param_update`` holds a second gradient partition (the previous
-step's, read by the background step). At one process with one gradient pass per step the host
+step's, read by the background step); at one process with one gradient pass per step those two
 partitions are in the model's 16-bit dtype, plus one fp32 cast buffer of ``CAST_CHUNK_NUMEL``
 elements per group (``offload/host_gradients.py``, :func:`host_gradient_bytes`). At stage 3 an offloaded group's shards stay on the
 accelerator (the all-gather reads them there; they are refreshed from the host master through
@@ -155,7 +155,7 @@ def host_gradient_bytes(setup: Setup) -> int:
     ``partita.offload.host_gradients.keeps_model_dtype`` holds (a fused host Adam/AdamW assumed,
     as ``initialize`` builds it where torch has the kernel), else 4."""
     keeps = keeps_model_dtype(
-        zero_size=setup.world_size, stage=setup.stage, dtype=_TORCH_DTYPES[setup.dtype], tiers=setup.tier_fractions(),
+        delayed_update=setup.delayed_param_update, zero_size=setup.world_size, stage=setup.stage, dtype=_TORCH_DTYPES[setup.dtype], tiers=setup.tier_fractions(),
         fused_adam=setup.optimizer in ("Adam", "AdamW"), fp32_sums=setup.grad_accum_dtype == "fp32" and setup.dtype != "fp32",
         gradient_accumulation_steps=setup.gradient_accumulation_steps,
     )

@@ -1,4 +1,4 @@
-"""The offloaded gradient partition in the model's 16-bit dtype, at one process.
+"""The offloaded gradient partition in the model's 16-bit dtype, at one process, for the delayed update.
 
 [Note: model-dtype host gradients]
 Why: with the optimizer in CPU memory, the host's memory bandwidth bounds the step. On one H200
@@ -11,8 +11,14 @@ no reduction or sum ever rounds in it. So the partition is kept in the model's d
 the copy engine writes 2 bytes per parameter into it, and the step casts it to fp32 in ranges
 of :data:`CAST_CHUNK_NUMEL` elements into one small buffer that stays in the CPU caches, right
 before torch's fused kernel reads them there. Host memory traffic per parameter falls from
-about 36 bytes to 32, and the host holds 2 bytes per parameter less per gradient buffer (two
-buffers with the delayed update).
+about 36 bytes to 32, and the host holds 2 bytes per parameter less in each of the delayed
+update's two gradient buffers.
+
+Only for the delayed update, as measured on one H200 host (GPT-1.3B, ZeRO-2, docs/performance.md):
+there the host step shares the memory with the next step's gradient download, and casting ranges
+of 2^24 elements ran 37.4k tokens/s against 35.2k with the fp32 partition in the same lease. The
+exact step runs alone on the host, where the second pass over each range costs more than the 2
+bytes it saves: 22.4k against 26.5k tokens/s. So the exact step keeps the fp32 partition.
 
 The update is bitwise the fp32 partition's: the kernel gets the same fp32 values, in ranges
 that start at multiples of 64 elements (the pipelined step's ranges plus multiples of a power of
@@ -20,8 +26,8 @@ two), so every element keeps its SIMD lane (partita/optim/fused_adam_range.py). 
 norm is the same too: on CUDA it is summed on the accelerator from the same fp32 values as
 before, and on the host ``vector_norm`` of the 16-bit partition accumulates in fp32.
 
-When (:func:`keeps_model_dtype`): one process in the ZeRO group, ZeRO stage 1 or 2, 16-bit
-model, the whole optimizer in CPU memory (no accelerator or NVMe tier), torch's fused Adam or
+When (:func:`keeps_model_dtype`): ``delayed_param_update``, one process in the ZeRO group, ZeRO
+stage 1 or 2, 16-bit model, the whole optimizer in CPU memory (no accelerator or NVMe tier), torch's fused Adam or
 AdamW on the host, no fp32 micro-batch sums, and one gradient pass per step (stage 1, or
 stage 2 without gradient accumulation; stage 2 adds later micro-batches into the partition).
 Anything else keeps the fp32 partition. ZeRO-3 is left out: it steps the whole partition at
@@ -42,34 +48,36 @@ if TYPE_CHECKING:
     from partita.zero.sharded_optimizer import ShardedOptimizer
     from partita.zero.shard_group import ShardedParamGroup
 
-CAST_CHUNK_NUMEL = 1 << 23
-"""Gradient elements cast to fp32 per kernel call (a 32 MiB buffer; a power of two, see the note):
-small enough that the cast's output is still in the caches when the kernel reads it (each of 16
-threads' share is 2 MiB), large enough that per-call overhead stays small. On one H200 host
-(16 cores, 2 MiB L2 each, 300 MiB L3) 2^23 stepped GPT-1.3B's partition faster than 2^20-2^22
-(``benchmarks/offload_critical_path.py``'s ``cast_step`` probe)."""
+CAST_CHUNK_NUMEL = 1 << 24
+"""Gradient elements cast to fp32 per kernel call (a 64 MiB buffer; a power of two, see the note):
+small enough that the cast's output is still in the last-level cache when the kernel reads it,
+large enough that the two parallel regions per range (cast, kernel) stay few: beside the next
+forward and backward each region waits for its slowest thread. On one H200 host (16 cores, 300 MiB
+L3) the delayed update ran 37.4k tokens/s with 2^24, 36.0k with 2^25 (same lease), and far slower
+with 2^23 in another lease."""
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def keeps_model_dtype(*, zero_size: int, stage: int, dtype: torch.dtype, tiers: tuple[float, float, float],
-                      fused_adam: bool, fp32_sums: bool, gradient_accumulation_steps: int) -> bool:
+def keeps_model_dtype(*, delayed_update: bool, zero_size: int, stage: int, dtype: torch.dtype,
+                      tiers: tuple[float, float, float], fused_adam: bool, fp32_sums: bool,
+                      gradient_accumulation_steps: int) -> bool:
     """Whether offloaded gradient partitions are kept in the model's dtype (the rule of the
     note). ``tiers``: the optimizer state's (accelerator, cpu, nvme) shares."""
-    return (zero_size == 1 and stage in (1, 2) and dtype in _SIXTEEN_BIT and tuple(tiers) == (0.0, 1.0, 0.0)
+    return (delayed_update and zero_size == 1 and stage in (1, 2) and dtype in _SIXTEEN_BIT and tuple(tiers) == (0.0, 1.0, 0.0)
             and fused_adam and not fp32_sums and not (stage == 2 and gradient_accumulation_steps > 1))
 
 
-def use_model_dtype_gradients(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer, *, zero_size: int,
-                              stage: int, tiers: tuple[float, float, float], fp32_sums: bool,
-                              gradient_accumulation_steps: int) -> bool:
+def use_model_dtype_gradients(groups: list[ShardedParamGroup], inner: torch.optim.Optimizer, *,
+                              delayed_update: bool, zero_size: int, stage: int, tiers: tuple[float, float, float],
+                              fp32_sums: bool, gradient_accumulation_steps: int) -> bool:
     """Switch every group's host gradient partition to its model dtype where the rule holds;
     returns whether it did."""
     if not groups or not all(g.offloaded for g in groups):
         return False
     dtype = groups[0].model_dtype
     if any(g.model_dtype != dtype for g in groups) or not keeps_model_dtype(
-        zero_size=zero_size, stage=stage, dtype=dtype, tiers=tiers, fused_adam=fused_adam_optimizer(inner),
+        delayed_update=delayed_update, zero_size=zero_size, stage=stage, dtype=dtype, tiers=tiers, fused_adam=fused_adam_optimizer(inner),
         fp32_sums=fp32_sums, gradient_accumulation_steps=gradient_accumulation_steps,
     ):
         return False

@@ -124,8 +124,10 @@ def apply_zero(
                     )
                 )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
-    # One process, one gradient pass per step: the host partition in the model dtype (exact, fewer bytes).
-    use_model_dtype_gradients(groups, inner, zero_size=topology.zero_size, stage=config.stage,
+    # The delayed update at one process, one gradient pass per step: the host partition in the model
+    # dtype (exact, fewer bytes through host memory).
+    use_model_dtype_gradients(groups, inner, delayed_update=offload.enabled and offload.delayed_param_update,
+                              zero_size=topology.zero_size, stage=config.stage,
                               tiers=offload.tier_fractions(), fp32_sums=accumulate_in_fp32,
                               gradient_accumulation_steps=gradient_accumulation_steps)
     optimizer = ShardedOptimizer(
