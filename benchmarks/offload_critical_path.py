@@ -20,8 +20,7 @@ From these it writes the bound each offloaded step is held to:
   of bf16) overlaps the host step bucket by bucket, so at best only those two are serial;
 - exact update overlapped with the next forward (``overlap_step_with_forward``):
   ``T_bwd + max(T_adam, T_fwd)``: the forward runs while the host steps;
-- delayed update (``-offd``; ``-offdo`` lands it beside the next forward): ``max(T_gpu, T_adam)``
-  (``T_adam``: the host step partita runs, from bf16 gradients cast range by range at one process):
+- delayed update (``-offd``; ``-offdo`` lands it beside the next forward): ``max(T_gpu, T_adam)``:
   the host step runs beside the next forward +
   backward, so the slower of the two sets the pace (the weights go up from the page-locked
   master in fp32 and are cast on the GPU, so the host casts nothing).
@@ -69,38 +68,6 @@ def host_probe(numel: int, model_numel: int) -> dict:
     for name, (fn, nbytes) in kernels.items():
         seconds = best_seconds(fn)
         result[name] = {"s_per_model": seconds * scale, "gb_per_s": nbytes * numel / seconds / 1e9}
-    return result
-
-
-CAST_CHUNKS = (1 << 21, 1 << 22, 1 << 23, 1 << 24, 1 << 25)
-
-
-def cast_step_probe(numel: int, model_numel: int) -> dict:
-    """The host step partita runs at one process with bf16 gradients (partita/offload/host_gradients.py):
-    fused AdamW range by range, each range's gradient cast from bf16 into a reused fp32 buffer
-    first, for several range sizes (26 bytes per element reach memory when the buffer stays in
-    the caches: parameter, both moments read and written, the bf16 gradient read)."""
-    from partita.offload import host_gradients
-    from partita.optim.fused_adam_range import adam_state, step_adam_range
-
-    master = torch.empty(numel).uniform_()
-    grad = torch.empty(numel, dtype=torch.bfloat16).uniform_()
-    inner = torch.optim.AdamW([master], lr=1e-4, fused=True)
-    options = inner.param_groups[0]
-    step = adam_state(inner, master, options)["step"]
-    result = {"default_chunk_numel": host_gradients.CAST_CHUNK_NUMEL}
-    for chunk in sorted({*CAST_CHUNKS, host_gradients.CAST_CHUNK_NUMEL}):
-        buffer = torch.empty(chunk)
-
-        def run() -> None:
-            for lo in range(0, numel, chunk):
-                hi = min(lo + chunk, numel)
-                wide = buffer[: hi - lo]
-                wide.copy_(grad[lo:hi])
-                step_adam_range(inner, options, master, lo, hi, wide, step, None)
-
-        seconds = best_seconds(run)
-        result[str(chunk)] = {"s_per_model": seconds * model_numel / numel, "gb_per_s": 26 * numel / seconds / 1e9}
     return result
 
 
@@ -180,9 +147,7 @@ def bounds(host: dict, pcie: dict, engines: dict, model_numel: int) -> list[dict
     if base.get("status") != "ok":
         return []
     gpu_s = (base["forward_ms"] + base["backward_ms"]) / 1e3
-    # partita's host step at one process with bf16 gradients is the cast-range step (host_gradients.py).
-    cast_step = host.get("cast_step")
-    adam_s = cast_step[str(cast_step["default_chunk_numel"])]["s_per_model"] if cast_step else host["fused_adamw"]["s_per_model"]
+    adam_s = host["fused_adamw"]["s_per_model"]
     cast_s = host["cast_fp32_to_bf16"]["s_per_model"]
     tokens = base["tokens_per_step"] if "tokens_per_step" in base else base["tokens_per_s_per_gpu"] * base["step_ms"] / 1e3
     rows = []
@@ -205,8 +170,7 @@ def bounds(host: dict, pcie: dict, engines: dict, model_numel: int) -> list[dict
             "phases_ms": {k: r[k] for k in ("forward_ms", "backward_ms", "optimizer_ms")},
             "peak_gib": r["peak_gib"],
         })
-    rows.append({"engine": "(parts)", "T_gpu_s": gpu_s, "T_adam_s": adam_s, "T_adam_fp32_grad_s": host["fused_adamw"]["s_per_model"],
-                 "T_cast_s": cast_s,
+    rows.append({"engine": "(parts)", "T_gpu_s": gpu_s, "T_adam_s": adam_s, "T_cast_s": cast_s,
                  "T_d2h_grad_fp32_s": 4 * model_numel / (pcie["d2h_gib_per_s"] * 2**30),
                  "T_h2d_param_bf16_s": 2 * model_numel / (pcie["h2d_gib_per_s"] * 2**30)})
     return rows
@@ -246,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
             out.write_text(json.dumps(result, indent=2) + "\n")
 
     result["host"] = host_probe(args.probe_numel, GPT_1_3B_NUMEL)
-    result["host"]["cast_step"] = cast_step_probe(args.probe_numel, GPT_1_3B_NUMEL)
     print("host", json.dumps(result["host"]), flush=True)
     save()
     if torch.cuda.is_available():

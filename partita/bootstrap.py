@@ -172,7 +172,6 @@ def initialize(
         accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
         aio=cfg.aio,
         param_comms=expert_comms,
-        gradient_accumulation_steps=batch.gradient_accumulation_steps,
     )
     inner = zero.optimizer.inner
     scheduler = _build_scheduler(lr_scheduler, cfg, inner)

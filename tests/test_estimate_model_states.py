@@ -115,7 +115,7 @@ def _estimated(estimate) -> dict:
         "shards": shards,
         "parameters": sum(estimate.by_category(d)["parameters"] for d in both),
         "optimizer states": sum(estimate.by_category(d)["optimizer states"] for d in both),
-        "grad_partition": kind("grad_partition") + items(*(f"{t} gradient partition (offloaded)" for t in ("fp32", "bf16", "fp16"))),
+        "grad_partition": kind("grad_partition") + items("fp32 gradient partition (offloaded)"),
         "full_grads": kind("full_grads"),
         "pinned": items("pinned staging buffers", "NVMe state buffers", "NVMe parameter buffers"),
         "swap_files": estimate.total("nvme"),

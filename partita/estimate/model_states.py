@@ -48,9 +48,7 @@ fp32 master, fp32 gradient partition and optimizer states live in host memory ("
 ``buffer_count`` state buffers instead (partita keeps master and gradients in host memory).
 Gradients and weights cross through ``buffer_count`` pinned staging buffers of
 ``STAGING_BYTES``. ``delayed_param_update`` holds a second gradient partition (the previous
-step's, read by the background step); at one process with one gradient pass per step those two
-partitions are in the model's 16-bit dtype, plus one fp32 cast buffer of ``CAST_CHUNK_NUMEL``
-elements per group (``offload/host_gradients.py``, :func:`host_gradient_bytes`). At stage 3 an offloaded group's shards stay on the
+step's, read by the background step). At stage 3 an offloaded group's shards stay on the
 accelerator (the all-gather reads them there; they are refreshed from the host master through
 the staging pool), a separate copy even in fp32; an accelerator master needs no shard copy at
 all (gathers cast from it).
@@ -60,21 +58,17 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from partita.estimate.groups import ZeroGroup, alignment_of, zero_groups
 from partita.estimate.inputs import Setup
 from partita.estimate.model_info import ModelInfo
 from partita.zero.streamed_step import CHUNK_NUMEL as STREAM_CHUNK_NUMEL
 from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, WRITE_BACK, Line
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT
-from partita.offload.host_gradients import CAST_CHUNK_NUMEL, keeps_model_dtype
 from partita.optim.eight_bit import BLOCK_SIZE
 
 __all__ = [
     "fp32_sums_active",
     "frees_block_weights",
-    "host_gradient_bytes",
     "holds_grads_across_micro_batches",
     "model_state_lines",
     "optimizer_state_bytes",
@@ -82,7 +76,6 @@ __all__ = [
 ]
 
 _CODE_TABLE_BYTES = 256 * 4  # one bitsandbytes quantisation map: 256 fp32 entries
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def swapped_state_count(setup: Setup) -> int:
@@ -148,18 +141,6 @@ def frees_block_weights(setup: Setup, groups: list[ZeroGroup]) -> bool:
 def _ranges(numel: int, size: int) -> list[int]:
     """Sizes of the sub-groups a master partition is stepped in (nvme_optimizer._cut)."""
     return [min(size, numel - lo) for lo in range(0, numel, size)]
-
-
-def host_gradient_bytes(setup: Setup) -> int:
-    """Bytes per element of an offloaded gradient partition: the model dtype's where
-    ``partita.offload.host_gradients.keeps_model_dtype`` holds (a fused host Adam/AdamW assumed,
-    as ``initialize`` builds it where torch has the kernel), else 4."""
-    keeps = keeps_model_dtype(
-        delayed_update=setup.delayed_param_update, zero_size=setup.world_size, stage=setup.stage, dtype=_TORCH_DTYPES[setup.dtype], tiers=setup.tier_fractions(),
-        fused_adam=setup.optimizer in ("Adam", "AdamW"), fp32_sums=setup.grad_accum_dtype == "fp32" and setup.dtype != "fp32",
-        gradient_accumulation_steps=setup.gradient_accumulation_steps,
-    )
-    return setup.dtype_bytes if keeps else 4
 
 
 def _sum(groups: list[ZeroGroup], fn) -> int:
@@ -275,19 +256,13 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     if host_groups:
         # A (pinned) host buffer reused from step to step, not freed between them
         # (ShardedParamGroup: [Note: offloaded gradient partitions]).
-        g_bytes = host_gradient_bytes(setup)
-        g_type = "fp32" if g_bytes == 4 else setup.dtype
-        lines.append(Line("gradients", f"{g_type} gradient partition (offloaded)", "cpu", g_bytes * partition(host_groups),
+        lines.append(Line("gradients", "fp32 gradient partition (offloaded)", "cpu", 4 * partition(host_groups),
                           ALWAYS, note="reused from step to step"))
-        if g_bytes != 4:
-            # ShardedParamGroup.cast_buffer: the ranged step's fp32 casts, one buffer per group, kept.
-            lines.append(Line("buffers", "fp32 cast buffer of the host step (model-dtype gradients)", "cpu",
-                              _sum(host_groups, lambda g: 4 * min(CAST_CHUNK_NUMEL, g.partition_numel)), ALWAYS))
         if setup.delayed_param_update:
             # The background step still reads the previous step's partition while the next
             # micro-batches fill the other buffer (ShardedOptimizer.step hands the old one over).
-            lines.append(Line("gradients", f"previous step's {g_type} gradient partition (delayed update)", "cpu",
-                              g_bytes * partition(host_groups), ALWAYS))
+            lines.append(Line("gradients", "previous step's fp32 gradient partition (delayed update)", "cpu",
+                              4 * partition(host_groups), ALWAYS))
             # ShardedParamGroup.fill_upload_copy: the update's host cast runs on the background thread.
             lines.append(Line("parameters", f"{setup.dtype} upload copy of the updated master (delayed update)", "cpu",
                               d * partition(host_groups), ALWAYS))

@@ -23,10 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from partita.offload.host_gradients import step_cast_range
-
 if TYPE_CHECKING:
-    from partita.zero.shard_group import ShardedParamGroup
     from partita.zero.sharded_optimizer import ShardedOptimizer
 
 _ALIGN = 64
@@ -78,9 +75,9 @@ def step_accelerator_groups(optimizer: ShardedOptimizer, restore_unused) -> dict
     which also runs its step hooks; returns the offloaded groups' held-back gradients."""
     inner = optimizer.inner
     offloaded = [g for g, group in enumerate(optimizer.groups) if group.offloaded]
-    held = {g: optimizer.groups[g].step_grad for g in offloaded}
+    held = {g: optimizer.groups[g].master.grad for g in offloaded}
     for g in offloaded:
-        optimizer.groups[g].set_step_grad(None)  # the inner call below skips them
+        optimizer.groups[g].master.grad = None  # the inner call below skips them
     inner.step()  # on-accelerator groups (ratio < 1); also runs the optimizer's step hooks
     for g, group in enumerate(optimizer.groups):
         if g not in held:
@@ -102,7 +99,7 @@ def step_offloaded_groups(optimizer: ShardedOptimizer, held: dict[int, torch.Ten
     for g in groups:
         group = optimizer.groups[g]
         grad = held[g]
-        group.set_step_grad(grad)
+        group.master.grad = grad
         if grad is None:  # no gradient anywhere in the group: torch would skip it
             if write_back:
                 optimizer.write_back_group(g)
@@ -139,7 +136,7 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, o
                 if b > 0 and lo < bucket.partition_start:
                     before_bucket(g, b - 1)
             if hi > lo:
-                _step_range(inner, group, options, state, step_before, lo, hi, grad_scale)
+                _step_range(type(inner), options, master, state, step_before, lo, hi, grad_scale)
             restore_unused(g, lo, numel)
             if write_back:
                 optimizer.write_back_group(g, [bucket])
@@ -150,26 +147,22 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, o
         for b, bucket in buckets:
             end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, numel)
             if end > stepped:
-                _step_range(inner, group, options, state, step_before, stepped, end, grad_scale)
+                _step_range(type(inner), options, master, state, step_before, stepped, end, grad_scale)
                 stepped = end
             restore_unused(g, 0, stepped)
-            if write_back:
-                optimizer.write_back_group(g, [bucket])
+            optimizer.write_back_group(g, [bucket])
             if on_bucket is not None:
                 on_bucket(g, b)
         if stepped < numel:  # padding after the last bucket
-            _step_range(inner, group, options, state, step_before, stepped, numel, grad_scale)
+            _step_range(type(inner), options, master, state, step_before, stepped, numel, grad_scale)
     state["step"].copy_(step_before + 1)
 
 
-def _step_range(inner: torch.optim.Optimizer, group: ShardedParamGroup, options: dict, state: dict,
-                step_before: torch.Tensor, lo: int, hi: int, grad_scale: torch.Tensor | None) -> None:
-    if group.step_grad.dtype != group.master.dtype:  # host_gradients.py [Note: model-dtype host gradients]
-        step_cast_range(inner, options, group, lo, hi, group.step_grad, step_before, grad_scale)
-        return
-    proxy = group.master[lo:hi]  # a view of a tensor that needs no grad: a leaf torch can optimise
-    proxy.grad = group.step_grad[lo:hi]
-    ranged = type(inner)([{"params": [proxy], **options}])
+def _step_range(cls, options: dict, master: torch.Tensor, state: dict, step_before: torch.Tensor, lo: int, hi: int,
+                grad_scale: torch.Tensor | None) -> None:
+    proxy = master[lo:hi]  # a view of a tensor that needs no grad: a leaf torch can optimise
+    proxy.grad = master.grad[lo:hi]
+    ranged = cls([{"params": [proxy], **options}])
     if grad_scale is not None:
         ranged.grad_scale = grad_scale  # the step's unscale + clip, applied in the fused kernel
     ranged.state[proxy] = {

@@ -152,11 +152,6 @@ class HostTransfer:
         """
         if target.numel() != source.numel():
             raise ValueError(f"write_to_host: target has {target.numel()} elements, source {source.numel()}")
-        narrow = target.dtype != torch.float32
-        if narrow and (target.dtype != source.dtype or scale != 1.0):
-            # host_gradients.py: a model-dtype partition holds unscaled gradients of its own dtype only.
-            raise ValueError(f"write_to_host: a {target.dtype} partition takes {target.dtype} gradients unscaled, "
-                             f"got {source.dtype} with scale {scale}")
         if not self._cuda:
             target.copy_(source)
             if scale != 1.0:
@@ -172,10 +167,8 @@ class HostTransfer:
                     wide.mul_(scale)
                 if sum_of_squares is not None:
                     sum_of_squares.add_(torch.dot(wide, wide))
-                # A model-dtype partition gets the gradient as it is: half the bytes over PCIe
-                # and into host memory (host_gradients.py [Note: model-dtype host gradients]).
-                target[lo:hi].copy_(source[lo:hi] if narrow else wide, non_blocking=True)
-                self.bytes_down += (hi - lo) * target.element_size()
+                target[lo:hi].copy_(wide, non_blocking=True)
+                self.bytes_down += (hi - lo) * 4
         source.record_stream(self._stream)  # the caller may drop its reference now
         if sum_of_squares is not None:
             sum_of_squares.record_stream(self._stream)

@@ -1,10 +1,9 @@
 """One range of a flat fp32 master stepped by torch's fused Adam/AdamW kernel, with the state
 torch's own ``Adam`` keeps for the whole master.
 
-Two steps walk a master in ranges instead of calling the optimizer once over it: the streamed
-step (partita/zero/streamed_step.py, gradients cast from ``param.grad`` range by range) and the
-offloaded step from a model-dtype host gradient partition (partita/offload/host_gradients.py).
-Both call the kernel through torch's functional ``torch.optim.adam.adam(fused=True)`` on views of
+The streamed step (partita/zero/streamed_step.py) walks a master in ranges, its gradients cast
+from ``param.grad`` range by range, instead of calling the optimizer once over it. It calls the
+kernel through torch's functional ``torch.optim.adam.adam(fused=True)`` on views of
 ``inner.state[master]``, so the state stays torch's (checkpoints load under any step rule) and
 each element's update is bitwise the whole-master call's when ranges start at multiples of a
 power of two (see [Note: the streamed step]).

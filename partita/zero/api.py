@@ -12,7 +12,6 @@ from torch import nn
 from partita.config.base import ConfigError
 from partita.distributed.topology import Topology
 from partita.offload.config import AioConfig
-from partita.offload.host_gradients import use_model_dtype_gradients
 from partita.offload.tiers import tier_parts
 from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
@@ -57,7 +56,6 @@ def apply_zero(
     accumulate_in_fp32: bool = False,
     aio: AioConfig | None = None,
     param_comms: Mapping[nn.Parameter, ShardComm] | None = None,
-    gradient_accumulation_steps: int = 1,
 ) -> ZeroState:
     """Shard optimizer state (and gradients, by stage) of ``param_groups`` across data ranks.
 
@@ -80,8 +78,6 @@ def apply_zero(
             (expert parameters over their expert-data group, see partita/moe); each user
             param group is split into one ZeRO group per comm, the ZeRO group's part first.
             Gradients are still averaged over the whole ZeRO world (see reducer.py).
-        gradient_accumulation_steps: micro-batches per step (whether the offloaded gradient
-            partition gets one pass per step, partita/offload/host_gradients.py).
     """
     offload = config.offload_optimizer
     policy = ZeroPolicy.for_stage(config.stage)
@@ -124,12 +120,6 @@ def apply_zero(
                     )
                 )
     inner = build_inner_optimizer([{**g.options, "params": [g.master]} for g in groups])
-    # The delayed update at one process, one gradient pass per step: the host partition in the model
-    # dtype (exact, fewer bytes through host memory).
-    use_model_dtype_gradients(groups, inner, delayed_update=offload.enabled and offload.delayed_param_update,
-                              zero_size=topology.zero_size, stage=config.stage,
-                              tiers=offload.tier_fractions(), fp32_sums=accumulate_in_fp32,
-                              gradient_accumulation_steps=gradient_accumulation_steps)
     optimizer = ShardedOptimizer(
         groups,
         inner,

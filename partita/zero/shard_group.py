@@ -122,12 +122,6 @@ class ShardedParamGroup:
         self._written: list[tuple[int, int]] = []
         self._written_starts: set[int] = set()
         self._sum_of_squares: torch.Tensor | None = None
-        # The offloaded partition's dtype: the model's 16-bit dtype where that is exact and the
-        # step casts it in ranges (partita/offload/host_gradients.py [Note: model-dtype host gradients]).
-        self.host_grad_dtype = torch.float32
-        self._cast_buffer: torch.Tensor | None = None
-        # The gradient partition of the step in progress (see set_step_grad).
-        self.step_grad: torch.Tensor | None = None
         # Delayed update: the updated master cast to the model dtype in pinned host memory.
         self.upload_copy: torch.Tensor | None = None
         self.upload_copy_ready = False
@@ -220,9 +214,6 @@ class ShardedParamGroup:
                 self._written.append((partition_start, partition_start + reduced.numel()))
                 self.host_transfer.write_to_host(target, reduced, scale=scale, sum_of_squares=self._sum_of_squares)
             else:
-                if target.dtype != torch.float32:
-                    raise RuntimeError("partita: a second gradient pass into a model-dtype host gradient partition "
-                                       "(partita/offload/host_gradients.py admits one pass per step)")
                 self._sum_of_squares = None  # the partition is a sum now: its norm is computed on the host
                 self.host_transfer.add_to_host(target, reduced, scale=scale)
             return
@@ -251,8 +242,7 @@ class ShardedParamGroup:
                 self.grad_partition = torch.zeros_like(self.master)
             else:
                 spare = self._spare_grad_buffers
-                self.grad_partition = spare.pop() if spare else self.host_transfer.empty_host(self.master.numel(),
-                                                                                             self.host_grad_dtype)
+                self.grad_partition = spare.pop() if spare else self.host_transfer.empty_host(self.master.numel())
                 self._first_pass, self._written = True, []
                 device = self.params[0].device
                 self._sum_of_squares = torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
@@ -287,21 +277,6 @@ class ShardedParamGroup:
         grad, self.grad_partition = self.grad_partition, None
         self._first_pass, self._written, self._sum_of_squares = False, [], None
         return grad
-
-    def set_step_grad(self, grad: torch.Tensor | None) -> None:
-        """Hand ``grad`` (a gradient partition, or None) to the optimizer step: as ``master.grad``,
-        which the inner optimizer reads, unless it is a model-dtype partition (torch refuses a
-        ``.grad`` of another dtype; only the ranged step reads it, from ``step_grad``)."""
-        self.step_grad = grad
-        self.master.grad = grad if grad is None or grad.dtype == self.master.dtype else None
-
-    def cast_buffer(self, numel: int) -> torch.Tensor:
-        """A reused fp32 buffer of at most ``numel`` elements beside the master, for the ranged
-        step's casts of a model-dtype gradient partition (host_gradients.step_cast_range)."""
-        if self._cast_buffer is None:
-            self._cast_buffer = torch.empty(min(numel, self.master.numel()), dtype=torch.float32,
-                                            device=self.master.device)
-        return self._cast_buffer
 
     def recycle_grad_buffer(self, grad: torch.Tensor | None) -> None:
         """A stepped offloaded gradient buffer is free for a later step (thread-safe: list ops)."""

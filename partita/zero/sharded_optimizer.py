@@ -21,7 +21,6 @@ import torch.distributed as dist
 from partita.distributed import collectives
 from partita.optim.eight_bit import step_eight_bit
 from partita.optim.fused_adam_range import fused_adam_optimizer
-from partita.offload.host_gradients import create_states
 from partita.offload.pipelined_step import (
     can_pipeline,
     snapshot_options,
@@ -236,8 +235,6 @@ class ShardedOptimizer:
             self._apply_streamed_update(multiplier, used)
         else:
             grads = [group.take_grad_partition() for group in self.groups]  # the next backward starts a new one
-            if self._casts_host_grads:
-                create_states(self)  # model-dtype host gradients step by range only, from the first step on
             if self._background is not None:
                 self._pending = (self._background.submit(self._apply_update, grads, multiplier, used,
                                                          cast_for_upload=True), after)
@@ -286,7 +283,7 @@ class ShardedOptimizer:
             if in_kernel:
                 del self.inner.grad_scale
         for group, grad in zip(self.groups, grads):
-            group.set_step_grad(None)
+            group.master.grad = None
             group.recycle_grad_buffer(grad)
             if cast_for_upload and group.offloaded and not group.aliases_params and not group.master_pinned:
                 group.fill_upload_copy()
@@ -315,7 +312,7 @@ class ShardedOptimizer:
         for group, grad in zip(self.groups, grads):
             if grad is not None and multiplier != 1.0 and not in_kernel and (scale_offloaded or not group.offloaded):
                 grad.mul_(multiplier)
-            group.set_step_grad(grad)  # None: the group got no gradient; torch skips it
+            group.master.grad = grad  # None: the group got no gradient; torch skips it
         return in_kernel
 
     @torch.no_grad()
@@ -348,7 +345,7 @@ class ShardedOptimizer:
                 restore_unused(kept)
             finally:
                 for group, grad in zip(self.groups, grads):
-                    group.set_step_grad(None)
+                    group.master.grad = None
                     group.recycle_grad_buffer(grad)
 
         self.overlapped.start(job)
@@ -397,10 +394,6 @@ class ShardedOptimizer:
             held = step_accelerator_groups(self, restore)
             step_offloaded_groups(self, held, restore, snapshot_options(self), forward_order=True, write_back=False,
                                   before_bucket=self.overlapped.wait_landed)
-        elif self._casts_host_grads:
-            # Model-dtype host gradients (the delayed update landing whole): only ranges cast them.
-            held = step_accelerator_groups(self, restore)
-            step_offloaded_groups(self, held, restore, snapshot_options(self), write_back=False)
         elif self.swapper is None and self._eight_bit:
             step_eight_bit(self.inner)  # partitions over bitsandbytes' 32-bit limit go in chunks
         elif self.swapper is None:
@@ -408,11 +401,6 @@ class ShardedOptimizer:
         else:
             self.swapper.step(self.inner, used)
         restore_unused(kept)
-
-    @property
-    def _casts_host_grads(self) -> bool:
-        """Whether the host gradient partitions are in the model's dtype (host_gradients.py)."""
-        return any(g.host_grad_dtype != torch.float32 for g in self.groups)
 
     @property
     def update_pending(self) -> bool:
