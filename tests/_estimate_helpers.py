@@ -31,14 +31,19 @@ def _batch():
 
 
 def saved_tensor_bytes(model, idx, targets) -> int:
-    """Distinct storages autograd saves for backward during the forward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Distinct storages autograd saves for backward during the forward (parameters excluded).
+
+    Storages are told apart by their StorageImpl (``_cdata``), not their address: at one process
+    the blocks' weights are freed during the forward (one_rank_weights.py), so an activation can be
+    allocated where a weight was (an address match would skip it), and a weight refilled later
+    has a new address (an address match would count it)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage._cdata not in params:
+            seen[storage._cdata] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
