@@ -2,7 +2,8 @@
 
 Trainable parameters come from the fp32 master shards (exact, whatever the training
 precision), tensor-parallel ones put back together from their tensor ranks' pieces; frozen
-parameters and buffers from the model file. The output is
+parameters and buffers from the model file, or frozen parameters ZeRO-3 held as shards from
+their ``frozen/`` ranges in the rank files (partita/checkpoint/frozen.py). The output is
 ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``), which
 ``transformers`` loads. Tied parameters are written once; the index lists the aliases under
@@ -57,6 +58,7 @@ class _Item:
     dtype: torch.dtype
     shape: tuple[int, ...]
     from_master: bool
+    from_frozen: bool = False  # a ZeRO-3 sharded frozen parameter (model.frozen_shards)
 
 
 def _plan(meta: dict[str, Any], dtype: torch.dtype) -> tuple[list[_Item], dict[str, str]]:
@@ -71,12 +73,14 @@ def _plan(meta: dict[str, Any], dtype: torch.dtype) -> tuple[list[_Item], dict[s
         if key in params:
             items.append(_Item(key, dtype, tuple(params[key]["shape"]), True))
             continue
-        record = model["tensors"].get(key)
+        frozen = model.get("frozen_shards", {}).get(key)
+        record = model["tensors"].get(key) if frozen is None else frozen
         if record is None:
             raise CheckpointError(f"the checkpoint has no weights for {key!r} (meta.json is inconsistent)")
         saved = getattr(torch, record["dtype"])
         # Floating tensors take the requested dtype; integer buffers (counters, ids) keep theirs.
-        items.append(_Item(key, dtype if saved.is_floating_point else saved, tuple(record["shape"]), False))
+        items.append(_Item(key, dtype if saved.is_floating_point else saved, tuple(record["shape"]), False,
+                           from_frozen=frozen is not None))
     return items, dict(aliases)
 
 
@@ -117,6 +121,9 @@ def consolidate(tag_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
                 if item.from_master:
                     # A tensor-parallel parameter's pieces are put back together (tensor_layout).
                     full = assemble(reader, fmt.master_key(item.name), params[item.name], None)
+                elif item.from_frozen:
+                    record = meta["model"]["frozen_shards"][item.name]
+                    full = reader.read_full(fmt.frozen_key(item.name), record, getattr(torch, record["dtype"]))
                 else:
                     full = reader.tensor(fmt.model_file_of(meta["model"], item.name), item.name)
                 return full.to(item.dtype).reshape(item.shape)

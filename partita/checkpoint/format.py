@@ -28,6 +28,9 @@ Block-wise (8-bit) optimizer state is cut the same way (meta.json's group record
 to whole blocks; scales ``state/absmax1/<name>`` per block, over blocks ``[start/B,
 ceil(end/B))``; and ``master_padding/<name>``, the master weights of the padding in a
 parameter's last block (:mod:`partita.checkpoint.state_layout` says why this is exact).
+Frozen parameters ZeRO-3 holds as shards (built under ``zero.Init``; they have no master) are
+stored the same way in the model's dtype, keys ``frozen/<param name>``, with their shards listed
+in meta.json's ``model.frozen_shards`` (:mod:`partita.checkpoint.frozen`).
 At stage 0 every rank holds the whole state, so only rank 0 writes shards (one range per
 parameter covering it all). ZeRO-3 uses the same table; its model file may then omit the
 sharded parameters, which are rebuilt from the fp32 master shards.
@@ -82,6 +85,11 @@ def rank_file(rank: int) -> str:
 
 def master_key(param_name: str) -> str:
     return f"master/{param_name}"
+
+
+def frozen_key(param_name: str) -> str:
+    """A ZeRO-3 sharded frozen parameter's range, in its own dtype (partita/checkpoint/frozen.py)."""
+    return f"frozen/{param_name}"
 
 
 def state_key(state_name: str, param_name: str) -> str:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from partita.checkpoint import format as fmt
+from partita.checkpoint import frozen
+from partita.checkpoint.frozen import load_frozen
 from partita.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from partita.checkpoint.jsoncodec import decode
 from partita.checkpoint.manifest import check_files, read_latest_checked, read_manifest, scan_tags
@@ -193,6 +195,7 @@ def _restore(
         via_master = _load_module(
             engine.module, reader, meta["model"], strict=strict, skip=sharded_now, tensor_of=tensor_of
         )
+        load_frozen(engine, reader, meta, strict=strict)  # ZeRO-3's sharded frozen parameters
         engine.zero_grad()
         if load_module_only:
             # As DeepSpeed: weights only (no optimizer, scheduler, counters or generators), but
@@ -256,12 +259,15 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
             extra_values[key] = decode(extra[key], tensor=tensor_of)
             continue
         source = aliases.get(key, key)
-        if source not in stored:
+        # Saved as ZeRO-3 frozen shards (partita/checkpoint/frozen.py), whole here: read whole.
+        value = frozen.read_whole(reader, model_meta, source, target.dtype) if source not in stored else None
+        if value is None and source not in stored:
             if source in sharded_saved:
                 via_master.add(key)
                 continue
             raise CheckpointCorruptError(f"{reader.tag_dir / fmt.model_file_of(model_meta, source)} has no tensor {source!r}")
-        value = reader.tensor(fmt.model_file_of(model_meta, source), source)
+        if value is None:
+            value = reader.tensor(fmt.model_file_of(model_meta, source), source)
         shard = tensor_shards.get(key)
         if shard is not None and tuple(value.shape) == tuple(shard.full_shape):
             # A whole tensor (saved without tensor parallelism): this rank's shard of it.
@@ -294,6 +300,8 @@ def _masters_for_module_only(engine: Engine, reader: ShardReader, meta: dict[str
                 record = saved.get(name) or saved[source]
                 key = fmt.master_key(source if name not in saved else name)
                 read_elements(reader, key, record, split_of(param), start, end, target)
+            elif frozen.read_range(reader, model_meta, source, start, end, target):
+                pass  # frozen (sharded) when saved, trained now
             elif source in model_meta["tensors"]:
                 value = reader.tensor(fmt.model_file_of(model_meta, source), source)
                 shard = split_of(param)

@@ -235,6 +235,9 @@ def rank_file_plan(engine: Engine, names: dict[torch.nn.Parameter, str], *, copy
             if kinds.local:
                 # Unknown state may involve the padding elements; keep the whole partition.
                 entries.append(TensorEntry.of(fmt.local_state_key(g, LOCAL_MASTER), _own(group.master, copy)))
+    from partita.checkpoint.frozen import frozen_entries
+
+    entries += frozen_entries(engine, names, copy=copy)  # ZeRO-3's sharded frozen parameters
     return FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)})
 
 
@@ -244,6 +247,8 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
     """Rank 0's part (the model file, the state file and meta.json) from this rank's module and
     optimizer. A pipeline save (partita/pipe/checkpoint.py) calls it on every stage's first rank,
     with a model file per stage, and merges the stages' model and optimizer sections."""
+    from partita.checkpoint.frozen import frozen_meta
+
     sink: dict[str, torch.Tensor] = {}
     full_state = engine.module.state_dict()
     # Non-tensor entries come from modules' get_extra_state(); they go to meta.json as JSON.
@@ -278,6 +283,7 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
             "aliases": aliases,
             "extra_state": {k: encode(v, path=f"model[{k!r}]", sink=sink) for k, v in extra.items()},
             "sharded_keys": sorted(k for k in unique if k in sharded),
+            "frozen_shards": frozen_meta(engine, names),
             "tensors": {k: {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)} for k, v in model_state.items()},
         },
         "optimizer": _optimizer_meta(engine, names, sink),

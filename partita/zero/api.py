@@ -1,4 +1,5 @@
-"""``apply_zero``: put a model's trainable parameters under ZeRO data parallelism."""
+"""``apply_zero``: put a model's trainable parameters under ZeRO data parallelism (at stage 3,
+with the frozen ones built under zero.Init: partita/zero/frozen_params.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from partita.offload.tiers import tier_parts
 from partita.offload.transfer import HostTransfer
 from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
+from partita.zero.frozen_params import build_frozen_shards
 from partita.zero.gathered import register_owner
 from partita.zero.init_context import forget_init_shards
 from partita.zero.one_rank_weights import OneRankWeights, build_one_rank_weights
@@ -174,6 +176,9 @@ def apply_zero(
     )
     gatherer = None
     if policy.shard_parameters:
+        # Frozen parameters built under zero.Init stay sharded too (gathered with their units).
+        frozen = build_frozen_shards(module, groups, dense=dense, param_comms=param_comms or {},
+                                     persistence_threshold=config.stage3_param_persistence_threshold)
         # Built after the reducer: its hooks must run after the reducer's on each parameter.
         gatherer = ParameterGatherer(
             module,
@@ -187,6 +192,7 @@ def apply_zero(
             # ZeRO-Infinity parameter offload: shards in host memory or swap files between uses.
             offload_param=config.offload_param,
             aio=aio or AioConfig(),
+            frozen=frozen,
         )
         optimizer.param_store = gatherer
         # state_dict() of a module whose parameters are freed: placeholders instead of entries that
@@ -203,9 +209,14 @@ def apply_zero(
             optimizer.after_write_back.append(one_rank.synced)
     if config.one_rank_gradient_fold == "stream":
         optimizer.streamed = _streamed_step(groups, inner)
-    forget_init_shards([p for g in groups for p in g.params])  # the masters and gatherer own them now
+    # The masters and the gatherer (its FrozenShards) own them now.
+    frozen_shards = gatherer.frozen if gatherer is not None else None
+    forget_init_shards([p for g in groups for p in g.params] + (frozen_shards.params if frozen_shards else []))
     state = ZeroState(policy=policy, optimizer=optimizer, reducer=reducer, gatherer=gatherer, one_rank_weights=one_rank)
-    register_owner((p for g in groups for p in g.params), state)
+    # Frozen parameters too: GatheredParameters gathers the sharded ones and, with a modifier_rank,
+    # broadcasts edits of whole ones over the ZeRO group (not frozen experts: they differ across it).
+    trained = {p for g in groups for p in g.params}
+    register_owner((p for p in module.parameters() if p in trained or p not in (param_comms or {})), state)
     return state
 
 

@@ -43,17 +43,26 @@ def fp32_state_dict(module: nn.Module, zero: ZeroState, *, rank0_only: bool = Tr
     as CPU tensors; empty on ranks other than 0 when ``rank0_only``."""
     keep = _is_writer() or not rank0_only
     master: dict[nn.Parameter, torch.Tensor] = {}
+    trained: set[nn.Parameter] = set()
     for param, full in iter_fp32_master(zero):
+        trained.add(param)
         shard = _split_of(param)
         if shard is not None:
             full = gather_whole(full.contiguous(), shard).contiguous()
         if keep:
             master[param] = full.detach().to("cpu", copy=True)
+    # Parameters without a master (frozen): their own values, gathered one at a time where ZeRO-3
+    # holds them as shards (every rank takes part).
+    untrained = [(n, p) for n, p in module.named_parameters() if p not in trained]
+    by_name = dict(untrained)
+    for name, full in iter_full_parameters(zero, untrained):
+        if keep:
+            master[by_name[name]] = full.float().to("cpu", copy=True)
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        out[name] = master[param] if param in master else param.detach().float().cpu()
+        out[name] = master[param]
     for name, buffer in module.named_buffers():
         out[name] = buffer.detach().cpu()
     return out

@@ -190,6 +190,7 @@ def _adopt_modifications(zero, params: list[nn.Parameter], modifier_rank: int) -
                     lo = spec.partition_offset
                     group.master[lo : lo + end - start].copy_(param.data.reshape(-1)[start:end])
     if zero.gatherer is not None:
+        zero.gatherer.adopt_frozen(params)  # sharded frozen parameters: this rank's shard of the new values
         zero.gatherer.refresh_shards()
 
 

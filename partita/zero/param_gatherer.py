@@ -31,9 +31,8 @@ with the shards on the accelerator a unit is never kept across the forward's end
 again is a local cast of the master (~0.1 ms for a 50 M-element block on an H200), while a kept
 unit sits beside every activation at the start of backward, the step's memory peak (GPT-1.3B
 kept ~0.9 G elements, 1.8 GiB, there). Reuse inside the forward (a block called twice) is kept as
-before. A unit's
-backward always ends with its gradient hooks freeing it: the next use is after the optimizer
-step, with new values.
+before. A unit's backward always ends with its gradient hooks (frozen parameters: the hook on its
+inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer step, with new values.
 
 [Note: rank divergence]
 Every gather is a collective, so all ranks must run the same units in the same order. To fail
@@ -56,14 +55,15 @@ output feeding the loss on one rank only) is not detected: it still waits for th
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
 on the parameters' device, or with ``offload_param`` in host memory or NVMe swap files, copied
 to the device as part of the gather (so prefetching also prefetches those copies, at world
-size 1 too). Persistent parameters stay whole on the device either way.
+size 1 too). Persistent parameters stay whole on the device either way. Frozen parameters
+built under zero.Init (no master, no group) keep their shards apart, in ``FrozenShards``, and are
+gathered with their units all the same (see partita/zero/frozen_params.py).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -73,12 +73,13 @@ from torch import nn
 from partita.distributed import collectives
 from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
-from partita.tensor_containers import map_tensors, tensors_in
+from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
-from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync
+from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
-from partita.zero.units import GatherBeforeBackward, in_backward_pass, is_inside, unit_names, find_units
+from partita.zero.units import (GatherBeforeBackward, ReleaseAfterBackward, find_units, in_backward_pass, is_inside,
+                                through_function, unit_names)
 
 class ParamState(enum.Enum):
     """SHARDED -> GATHERING (prefetch in flight) -> GATHERED -> SHARDED."""
@@ -115,8 +116,10 @@ class ParameterGatherer:
         max_reuse_distance: int = 1_000_000_000,
         offload_param: OffloadParamConfig | None = None,
         aio: AioConfig | None = None,
+        frozen: FrozenShards | None = None,
     ) -> None:
         self._groups = groups
+        self.frozen = frozen  # sharded parameters of no group (see partita/zero/frozen_params.py)
         self._prefetch_numel = prefetch_numel
         self._max_live_numel = max_live_numel
         self._max_reuse_distance = max_reuse_distance
@@ -141,6 +144,8 @@ class ParameterGatherer:
         self._state: dict[nn.Parameter, ParamState] = {}
         self._handed_out: set[nn.Parameter] = set()  # see hand_out_storage
         self._unit_params = self._assign_units(model)
+        # Units holding frozen parameters: their inputs carry the hook that frees those after backward.
+        self._frozen_units = {u for u, ps in self._unit_params.items() if frozen and any(p in frozen for p in ps)}
         # Collectives run where the parameters live, whatever the shards' or masters' location.
         self._device = groups[0].params[0].device
         # Each rank's low-precision shard of every parameter, what all-gathers read from: on the
@@ -148,10 +153,10 @@ class ParameterGatherer:
         names = unit_names(model, list(self._unit_params))
         self.storage: ShardStorage = build_shard_storage(
             groups, self._device, offload=offload_param, aio=aio,
-            units=[UnitPieces(name, tuple(self._piece(p) for p in params))
+            units=[UnitPieces(name, tuple(self._piece(p) for p in params if p in self._where))
                    for name, params in zip(names, self._unit_params.values())],
         )
-        for param in self._where:
+        for param in itertools.chain(self._where, frozen.params if frozen is not None else ()):
             if param in self.persistent:
                 if param.untyped_storage().nbytes() == 0:  # built under zero.Init: make it whole
                     from partita.zero.init_context import gather_init_param
@@ -181,8 +186,10 @@ class ParameterGatherer:
         for unit, params in self._unit_params.items():
             if params or unit is model:  # the root's hooks also mark where a forward starts
                 self._hooks.append(unit.register_forward_pre_hook(self._pre_forward))
+                if unit in self._frozen_units:
+                    self._hooks.append(unit.register_forward_pre_hook(self._hook_inputs, with_kwargs=True))
                 self._hooks.append(unit.register_forward_hook(self._post_forward))
-        for param in self._state:
+        for param in (p for p in self._state if p.requires_grad):  # frozen ones: see ReleaseAfterBackward
             # Registered after the reducer's hook on the same parameter, so the gradient is
             # already packed into its bucket when the full parameter is freed.
             self._hooks.append(param.register_post_accumulate_grad_hook(self._release_one))
@@ -193,7 +200,8 @@ class ParameterGatherer:
         owner: dict[nn.Parameter, nn.Module] = {}
         for unit in units:  # outermost first: inner units overwrite
             for param in unit.parameters():
-                if param in self._where and param not in self.persistent:
+                managed = param in self._where or (self.frozen is not None and param in self.frozen)
+                if managed and param not in self.persistent:
                     owner[param] = unit
         # A parameter reachable from two different non-root units (tied across blocks)
         # goes to the root, which stays gathered through forward and backward.
@@ -205,6 +213,10 @@ class ParameterGatherer:
         for param, unit in owner.items():
             result[unit].append(param)
         return result
+
+    def _spec(self, param: nn.Parameter) -> ShardSpec:
+        where = self._where.get(param)
+        return self.frozen.spec(param) if where is None else where[1]
 
     def _piece(self, param: nn.Parameter) -> ShardPiece:
         g, spec = self._where[param]
@@ -248,6 +260,15 @@ class ParameterGatherer:
         else:
             self.gather_unit(unit)  # eval, no_grad, or a unit called outside the model's forward
 
+    def _hook_inputs(self, unit: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        """A unit with frozen parameters (no gradient hook frees them): freed once its inputs'
+        gradients exist, positional or keyword (inputs that need none: at the end of backward)."""
+        return through_function(ReleaseAfterBackward, self, unit, (args, kwargs)) if torch.is_grad_enabled() else None
+
+    def on_post_backward(self, unit: nn.Module) -> None:
+        """``unit``'s backward is done: free its frozen parameters (the others free themselves)."""
+        self.release([p for p in self._unit_params[unit] if p in self.frozen])
+
     def on_pre_backward(self, unit: nn.Module) -> None:
         """Gradients reached ``unit``'s outputs: its parameters must be whole again."""
         self._before_backward(unit)
@@ -267,13 +288,8 @@ class ParameterGatherer:
             self.release_unit(unit)  # the root stays gathered until its gradients are produced
         if not torch.is_grad_enabled():
             return output  # no backward will follow (eval, no_grad)
-        # The output keeps its containers' types (a ModelOutput stays one: partita/tensor_containers.py).
-        tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if not tensors:
-            return output
-        wrapped = GatherBeforeBackward.apply(self, unit, *tensors)
-        replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
-        return map_tensors(output, lambda t: replacement.get(id(t), t))
+        wrapped = through_function(GatherBeforeBackward, self, unit, output)  # a ModelOutput stays one
+        return output if wrapped is None else wrapped
 
     # ------------------------------------------------------------------ the training forward
     def _begin_forward(self) -> None:
@@ -419,24 +435,28 @@ class ParameterGatherer:
         """One all-gather per process group among ``params`` (their ZeRO groups' comms: expert
         parameters gather within their expert-data group), in first-parameter order, which is
         the same on every rank."""
-        by_comm: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+        by_comm: dict[tuple, tuple[Any, list[nn.Parameter]]] = {}
         for param in params:
-            comm = self._groups[self._where[param][0]].comm
-            by_comm.setdefault(id(comm), (comm, []))[1].append(param)
+            where = self._where.get(param)
+            comm = self.frozen.comm if where is None else self._groups[where[0]].comm
+            dtype = param.dtype if where is None else self._groups[where[0]].model_dtype
+            by_comm.setdefault((id(comm), dtype), (comm, []))[1].append(param)
         return [self._start_gather(part, comm) for comm, part in by_comm.values()]
 
     def _start_gather(self, params: list[nn.Parameter], comm=None) -> int:
-        pieces, columns, column = [], [], 0
+        # Trainable parameters' pieces first (from the storage), then frozen ones' (FrozenShards).
+        params = [p for p in params if p in self._where] + [p for p in params if p not in self._where]
+        pieces = [self._piece(p) for p in params if p in self._where]
+        columns, column = [], 0
         for param in params:
             self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
-            pieces.append(self._piece(param))
             columns.append(column)
-            column += pieces[-1].numel
+            column += self._spec(param).shard_numel
         storage = self.storage
         # Offloaded shards: the host-to-device copies and the all-gather go on one side stream,
         # ordered without a host synchronisation (see partita/offload/param_offload.py).
         with storage.issue():
-            local = storage.fetch(pieces, column)
+            local = fetch_pieces(storage, self.frozen, pieces, params[len(pieces):], column, self._device)
             work = None
             size, process_group = (self._world_size, self._process_group) if comm is None else (comm.size, comm.process_group)
             if size == 1:
@@ -460,9 +480,8 @@ class ParameterGatherer:
         self.storage.arrived(flight.ready, flight.gathered)
         for param, col in zip(flight.params, flight.columns):
             del self._in_flight_of[param]
-            _, spec = self._where[param]
             param.data.untyped_storage().resize_(param.numel() * param.element_size())
-            unpack_from_columns(flight.gathered, col, spec, param)
+            unpack_from_columns(flight.gathered, col, self._spec(param), param)
             self._transition(param, ParamState.GATHERING, ParamState.GATHERED)
 
     def _transition(self, param: nn.Parameter, expected: ParamState, new: ParamState) -> None:
@@ -501,16 +520,7 @@ class ParameterGatherer:
         return sum(p.numel() for p in self._unit_params[unit])
 
     def _ranks_agree(self, encoded: list[int]) -> bool:
-        """All ranks recorded the same trace iff the digests' variance is zero. Digests are
-        kept below 2**16 so the sums of squares stay exact in float64 up to 1024 ranks; every rank computes
-        the same answer from the same two sums."""
-        if self._world_size == 1:
-            return True
-        digest = float(zlib.crc32(str(encoded).encode()) % (1 << 16))
-        sums = torch.tensor([digest, digest * digest], dtype=torch.float64, device=self._device)
-        collectives.all_reduce(sums, group=self._process_group, purpose="ZeRO-3 trace check")
-        total, total_sq = sums.tolist()
-        return total_sq * self._world_size == total * total
+        return ranks_agree(encoded, world_size=self._world_size, process_group=self._process_group, device=self._device)
 
     def num_gathered(self) -> int:
         """Elements of non-persistent parameters currently held whole on this rank."""
@@ -539,6 +549,12 @@ class ParameterGatherer:
     def wait_shard_reads(self) -> None:
         """Before an optimizer step rewrites the masters: the gathers' copies reading them are done."""
         self.storage.wait_reads()
+
+    def adopt_frozen(self, params: Iterable[nn.Parameter]) -> None:
+        """Whole frozen parameters edited in place (GatheredParameters): their shards follow."""
+        for param in params:
+            if self.frozen is not None and param in self.frozen and self._state[param] is ParamState.GATHERED:
+                self.frozen.adopt_whole(param)
 
     @torch.no_grad()
     def refresh_shards(self) -> None:

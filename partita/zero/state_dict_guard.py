@@ -226,7 +226,8 @@ def _refuse_loading_into_freed(module: nn.Module, state_dict: dict, prefix: str,
                 f"rank holds only as a shard (it has no storage now; partita/zero/state_dict_guard.py). {hint}"
                 f"{_HOW_TO_LOAD}"
             )
-        if assign and _gatherer_of(param) is not None:
+        gatherer = _gatherer_of(param) if assign else None
+        if gatherer is not None and (param.requires_grad or gatherer.is_sharded_param(param)):  # not whole frozen ones
             raise ParameterNotGatheredError(
                 f"load_state_dict(..., assign=True) would replace the ZeRO-3 parameter {key!r} with the state dict's "
                 f"tensor, which ZeRO does not manage. {_HOW_TO_LOAD}"

@@ -70,6 +70,37 @@ class GatherBeforeBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+class ReleaseAfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once autograd has the inputs' gradients,
+    after the unit's own backward: it frees the unit's frozen parameters, which get no gradient
+    hook (see [Note: frozen parameters at ZeRO-3] in partita/zero/frozen_params.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: Any, unit: nn.Module, *tensors: torch.Tensor):
+        ctx.gatherer, ctx.unit = gatherer, unit
+        ctx.set_materialize_grads(False)
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None):
+        ctx.gatherer.on_post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+def through_function(function: type[torch.autograd.Function], owner: Any, unit: nn.Module, value: Any) -> Any:
+    """``value`` (a tensor or container, which keeps its types: partita/tensor_containers.py) with
+    its tensors that require grad passed through one ``function.apply(owner, unit, *tensors)``;
+    None when there are none."""
+    from partita.tensor_containers import map_tensors, tensors_in
+
+    tensors = [t for t in tensors_in(value) if t.requires_grad]
+    if not tensors:
+        return None
+    wrapped = function.apply(owner, unit, *tensors)
+    replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
+    return map_tensors(value, lambda t: replacement.get(id(t), t))
+
+
 def is_inside(inner: nn.Module, outer: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
