@@ -33,7 +33,7 @@ from partita.tensor_parallel.layers import replicated_elsewhere
 InnerOptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no slots: partita.zero.gathered records it by weak reference
 class ZeroState:
     """The pieces ``apply_zero`` built; the engine drives them."""
 

@@ -37,6 +37,7 @@ to tell an edit), for the duration of the block.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Iterator
 
 import torch
@@ -48,17 +49,24 @@ from partita.tensor_parallel.layers import gather_whole, is_tensor_replicated, t
 from partita.tensor_parallel.shard_ranges import local_slice
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
+# The values are weak too: a ZeroState holds its parameters (through its groups), so a strong
+# value would keep its own key alive, and every engine's fp32 masters and optimizer states with
+# it, for the life of the process.
 _OWNERS = WeakIdKeyDictionary()
 
 
 def register_owner(params: Iterable[nn.Parameter], owner: object) -> None:
-    """Record which ZeRO state (a :class:`partita.zero.api.ZeroState`) manages each parameter."""
+    """Record which ZeRO state (a :class:`partita.zero.api.ZeroState`) manages each parameter;
+    the engine holding ``owner`` keeps it alive, this record does not."""
+    ref = weakref.ref(owner)
     for param in params:
-        _OWNERS[param] = owner
+        _OWNERS[param] = ref
 
 
 def owner_of(param: nn.Parameter):
-    return _OWNERS.get(param)
+    """The live ZeRO state managing ``param``, or None (none, or its engine is gone)."""
+    ref = _OWNERS.get(param)
+    return None if ref is None else ref()
 
 
 class GatheredParameters:

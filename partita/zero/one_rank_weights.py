@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from partita.tensor_containers import map_tensors, tensors_in
+from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.units import GatherBeforeBackward, in_backward_pass, is_inside, find_units
 from partita.zero.shard_group import ShardedParamGroup
 
@@ -123,7 +124,7 @@ class OneRankWeights:
             self._awaiting_grads = {}
             self._unit_of = {param: unit for unit, params in self._units.items() for param in params}
             for param in self._unit_of:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                self._hooks.append(register_weak_grad_hook(param, self._on_grad_accumulated))
 
     @property
     def num_freeable(self) -> int:

@@ -73,6 +73,7 @@ from torch import nn
 from partita.distributed import collectives
 from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
+from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
@@ -192,7 +193,7 @@ class ParameterGatherer:
         for param in (p for p in self._state if p.requires_grad):  # frozen ones: see ReleaseAfterBackward
             # Registered after the reducer's hook on the same parameter, so the gradient is
             # already packed into its bucket when the full parameter is freed.
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._release_one))
+            self._hooks.append(register_weak_grad_hook(param, self._release_one))
 
     # ------------------------------------------------------------------ setup
     def _assign_units(self, model: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.distributed import collectives
+from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.shard_group import ShardComm, ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
 
@@ -159,7 +160,7 @@ class GradientReducer:
         self._next_retire = 0
         # Which parameters got a gradient on this rank since the last optimizer step.
         self._received = [[False] * len(g.params) for g in groups]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        self._hooks = [register_weak_grad_hook(p, self._on_grad_ready) for p in self._bucket_of]  # utils/weak_hooks.py
 
     def _build_buckets(self, registration_index: dict[nn.Parameter, int], bucket_numel: int) -> list[_ReduceBucket]:
         position = lambda gs: -registration_index[self._groups[gs[0]].params[gs[1].index]]  # noqa: E731

@@ -1,0 +1,75 @@
+"""A dropped engine frees what it built: fp32 masters, optimizer states, ZeRO-3 shards.
+
+Parameters hold their gradient hooks where Python's cycle collector cannot see them, and a global
+record maps each parameter to its ZeRO state; both once kept every engine alive for the life of
+the process (partita/utils/weak_hooks.py, partita/zero/gathered.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+STEPS = 3
+
+
+def _config(stage: int) -> dict:
+    return {"train_batch_size": 8, "gradient_clipping": 0.5, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 60, "allgather_bucket_size": 50}}
+
+
+def _train(engine, model) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    from partita.zero import GatheredParameters
+    from tests.tiny_models import make_batches
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = engine.train_micro_batch_size_per_gpu()
+    xs, ys = make_batches(STEPS, 8)
+    for step in range(STEPS):
+        lo = rank * micro
+        engine.backward(engine(xs[step][lo : lo + micro], ys[step][lo : lo + micro]))
+        engine.step()
+    with GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def drop_engine(stage: int, drop_model: bool) -> dict:
+    import gc
+    import weakref
+
+    import partita
+    from tests.tiny_models import build_block_model
+
+    model = build_block_model()
+    engine, optimizer, _, _ = partita.initialize(model=model, config=_config(stage))
+    _train(engine, model)
+    released = {
+        "engine": weakref.ref(engine),
+        "optimizer": weakref.ref(optimizer),
+        "master": weakref.ref(optimizer.groups[0].master),
+        "states": [weakref.ref(t) for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t)],
+    }
+    del engine, optimizer
+    if drop_model:
+        del model
+    gc.collect()
+    alive = {k: (any(r() is not None for r in v) if isinstance(v, list) else v() is not None) for k, v in released.items()}
+    return {"alive": alive, "states": len(released["states"])}
+
+
+# ZeRO-3 hooks the model's modules (gathers before each unit's forward): a model kept after its
+# engine keeps that engine's gatherer and shards, so there the model is dropped too.
+CASES = [(0, False), (2, False), (3, True)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("stage", "drop_model"), CASES)
+def test_a_dropped_engine_frees_its_masters_and_optimizer_states(stage: int, drop_model: bool, world_size: int) -> None:
+    for out in run_distributed(drop_engine, world_size, stage, drop_model):
+        assert out["states"] > 0
+        assert out["alive"] == {"engine": False, "optimizer": False, "master": False, "states": False}
