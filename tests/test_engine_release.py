@@ -2,7 +2,8 @@
 
 Parameters hold their gradient hooks where Python's cycle collector cannot see them, and a global
 record maps each parameter to its ZeRO state; both once kept every engine alive for the life of
-the process (partita/utils/weak_hooks.py, partita/zero/gathered.py).
+the process (partita/utils/weak_hooks.py, partita/zero/gathered.py). A model kept after its
+engine trains under a second one exactly as a fresh copy does.
 """
 
 from __future__ import annotations
@@ -59,11 +60,20 @@ def drop_engine(stage: int, drop_model: bool) -> dict:
         del model
     gc.collect()
     alive = {k: (any(r() is not None for r in v) if isinstance(v, list) else v() is not None) for k, v in released.items()}
-    return {"alive": alive, "states": len(released["states"])}
+    out = {"alive": alive, "states": len(released["states"])}
+    if not drop_model:
+        # The kept model trains under a second engine exactly as a fresh copy of it does: the
+        # first engine's hooks left on its parameters are inert.
+        reused = {k: v.clone() for k, v in model.state_dict().items()}
+        out["retrained"] = _train(partita.initialize(model=model, config=_config(stage))[0], model)
+        fresh_model = build_block_model()
+        fresh_model.load_state_dict(reused)
+        out["fresh"] = _train(partita.initialize(model=fresh_model, config=_config(stage))[0], fresh_model)
+    return out
 
 
-# ZeRO-3 hooks the model's modules (gathers before each unit's forward): a model kept after its
-# engine keeps that engine's gatherer and shards, so there the model is dropped too.
+# At ZeRO-3 the model's weights live in its engine's shards (its modules' hooks gather them), so
+# a kept model keeps them: there the model is dropped too.
 CASES = [(0, False), (2, False), (3, True)]
 
 
@@ -73,3 +83,5 @@ def test_a_dropped_engine_frees_its_masters_and_optimizer_states(stage: int, dro
     for out in run_distributed(drop_engine, world_size, stage, drop_model):
         assert out["states"] > 0
         assert out["alive"] == {"engine": False, "optimizer": False, "master": False, "states": False}
+        for name, want in out.get("fresh", {}).items():
+            assert torch.equal(out["retrained"][name], want), name
