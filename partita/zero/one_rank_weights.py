@@ -67,9 +67,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from partita.tensor_containers import map_tensors, tensors_in
+from partita.tensor_containers import tensors_in
 from partita.utils.weak_hooks import register_weak_grad_hook
-from partita.zero.units import GatherBeforeBackward, in_backward_pass, is_inside, find_units
+from partita.zero.units import GatherBeforeBackward, find_units, in_backward_pass, is_inside, through_function
 from partita.zero.shard_group import ShardedParamGroup
 
 __all__ = ["OneRankWeights", "build_one_rank_weights"]
@@ -172,14 +172,11 @@ class OneRankWeights:
         params = self._units[unit]
         if any(p._version != self._versions[p] for p in params):
             return None  # edited in place since the last write-back: the master is not its value
-        tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if not tensors:
+        if not any(t.requires_grad for t in tensors_in(output)):
             return None  # nothing would bring the weights back before a backward
         self._free(unit)
         self.freed_count += 1
-        wrapped = GatherBeforeBackward.apply(self, unit, *tensors)
-        replacement = {id(t): w for t, w in zip(tensors, wrapped if len(tensors) > 1 else (wrapped,))}
-        return map_tensors(output, lambda t: replacement.get(id(t), t))
+        return through_function(GatherBeforeBackward, self, unit, output)  # a ModelOutput stays one
 
     def _free(self, unit: nn.Module) -> None:
         for param in self._units[unit]:

@@ -51,39 +51,38 @@ def find_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-class GatherBeforeBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward gathers the unit's parameters, so they are
-    back before autograd reaches the unit's own backward."""
+class _UnitIdentity(torch.autograd.Function):
+    """Identity on some of a unit's tensors whose backward (a subclass's) tells ``owner`` about
+    ``unit``; autograd runs it once the gradients of those tensors exist."""
 
     @staticmethod
-    def forward(ctx: Any, gatherer: BeforeBackward, unit: nn.Module, *tensors: torch.Tensor):
-        ctx.gatherer, ctx.unit = gatherer, unit
+    def forward(ctx: Any, owner: Any, unit: nn.Module, *tensors: torch.Tensor):
+        ctx.owner, ctx.unit = owner, unit
         # Outputs that backward never reaches (the logits beside a loss) get no gradient: by
         # default autograd would materialise zeros of their size at the start of backward,
         # the memory peak (1.5 GiB for GPT-1.3B's bf16 logits at micro-batch 8).
         ctx.set_materialize_grads(False)
         return tensors if len(tensors) != 1 else tensors[0]
 
+
+class GatherBeforeBackward(_UnitIdentity):
+    """On a unit's outputs: its backward gathers the unit's parameters (``owner``:
+    :class:`BeforeBackward`), so they are back before autograd reaches the unit's own backward."""
+
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None):
-        ctx.gatherer.on_pre_backward(ctx.unit)
+        ctx.owner.on_pre_backward(ctx.unit)
         return (None, None) + grads
 
 
-class ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once autograd has the inputs' gradients,
-    after the unit's own backward: it frees the unit's frozen parameters, which get no gradient
-    hook (see [Note: frozen parameters at ZeRO-3] in partita/zero/frozen_params.py)."""
-
-    @staticmethod
-    def forward(ctx: Any, gatherer: Any, unit: nn.Module, *tensors: torch.Tensor):
-        ctx.gatherer, ctx.unit = gatherer, unit
-        ctx.set_materialize_grads(False)
-        return tensors if len(tensors) != 1 else tensors[0]
+class ReleaseAfterBackward(_UnitIdentity):
+    """On a unit's inputs: its backward runs once autograd has the inputs' gradients, after the
+    unit's own backward, and frees the unit's frozen parameters, which get no gradient hook (see
+    [Note: frozen parameters at ZeRO-3] in partita/zero/frozen_params.py)."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None):
-        ctx.gatherer.on_post_backward(ctx.unit)
+        ctx.owner.on_post_backward(ctx.unit)
         return (None, None) + grads
 
 
