@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from common import cpu_busy_seconds, git_commit, hardware_summary, versions, wait_until_quiet  # noqa: E402
+from output_paths import output_dir, output_file  # noqa: E402
 
 IMPLS = ("fused", "foreach", "forloop", "deepspeed")
 HYPER = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -73,10 +74,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quiet-below", type=float, default=0.15, help="busy fraction (0-1) that counts as quiet")
     p.add_argument("--max-foreign", type=float, default=0.10,
                    help="rounds during which other jobs took more than this share of the CPUs are left out of the figures")
-    p.add_argument("--results-dir", type=Path, default=HERE / "results")
+    p.add_argument("--results-dir", type=lambda value: Path(output_dir(value)), default=HERE / "results")
     # internal: the per-thread-count measuring subprocess
     p.add_argument("--worker-threads", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=lambda value: Path(output_file(value)), default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
 

@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     ENGINES, ModelSize, children_cpu_seconds, cpu_busy_seconds, git_commit, hardware_summary, median_ms, size_dict,
     versions, wait_until_quiet,
 )
+from output_paths import output_dir  # noqa: E402
 
 WORKER = HERE / "cpu_step_worker.py"
 DOCS = REPO / "docs" / "performance.md"
@@ -85,7 +86,7 @@ def parse_args() -> argparse.Namespace:
                    help="rounds during which other jobs took more than this share of the CPUs are left out of the "
                         "headline figures (still listed in the details)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch before it counts as hung")
-    p.add_argument("--results-dir", type=Path, default=HERE / "results")
+    p.add_argument("--results-dir", type=lambda value: Path(output_dir(value)), default=HERE / "results")
     p.add_argument("--no-docs", action="store_true", help=f"do not append a section to {DOCS.relative_to(REPO)}")
     return p.parse_args()
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ModelSize, training_config  # noqa: E402
+from output_paths import output_file  # noqa: E402
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, float, float, float]]
 # Facts an engine's setup learns that belong in the result (which optimizer class really steps).
@@ -53,7 +54,7 @@ def parse_args() -> argparse.Namespace:
                    help="zero_optimization.offload_optimizer.device (stages 1-3; ZeRO-Offload)")
     p.add_argument("--delayed-update", action="store_true",
                    help="partita only: offload_optimizer.delayed_param_update (one-step-delayed update)")
-    p.add_argument("--out", required=True, help="JSON file rank 0 writes its measurements to")
+    p.add_argument("--out", type=output_file, required=True, help="JSON file rank 0 writes its measurements to")
     return p.parse_args()
 
 

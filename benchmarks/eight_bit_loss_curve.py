@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import os
 import sys
 import time
 
@@ -21,6 +22,8 @@ import torch
 import partita
 from partita.data import TokenWindowDataset, infinite_batches, load_corpus, split_train_val
 from partita.models import GPT, GPTConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUNS = (("AdamW", 0), ("AdamW8bit", 0), ("AdamW", 1))
@@ -76,7 +79,7 @@ def train(kind: str, seed: int, steps: int, train_data, val_data) -> dict:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "eight_bit_loss"))
+    parser.add_argument("--out", type=output_file, default=str(ROOT / "docs" / "eight_bit_loss"))
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON")
     args = parser.parse_args(argv)
     if args.replot:

@@ -35,6 +35,8 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", action="store_true", help="init_distributed + plain torch.distributed collectives")
     parser.add_argument("--offset", type=int, default=0, help="start the variant cycle at this index (0-19)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per launch before it counts as a hang")
-    parser.add_argument("--json", default=None, help="also write the per-launch records here")
+    parser.add_argument("--json", type=output_file, default=None, help="also write the per-launch records here")
     args = parser.parse_args(argv)
 
     records = []

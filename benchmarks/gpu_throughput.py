@@ -68,6 +68,7 @@ sys.path.insert(0, str(HERE))
 
 from _suite_engines import EngineNameError, parse_engine, suite_engines  # noqa: E402
 from _suite_table import Result  # noqa: E402
+from output_paths import output_file  # noqa: E402
 
 DEFAULT_ENGINES = "torch,fsdp2,partita0,partita1,partita2,deepspeed1,deepspeed2"
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket", type=int, default=500_000_000)
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the GPU's dense bf16 TFLOP/s for MFU")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine's job may take")
-    parser.add_argument("--json", default=None, help="write meta + raw results here (rewritten after every engine)")
+    parser.add_argument("--json", type=output_file, default=None, help="write meta + raw results here (rewritten after every engine)")
     parser.add_argument("--append-docs", default=None, help="append a dated markdown section to this file")
     parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                         help="build the tables from saved --json files instead of running")

@@ -53,6 +53,7 @@ from _largest_search import (HEAD_DIM, SEQ_LEN, VOCAB, Setting, classify_trial, 
                              markdown_table, parse_settings, rung_dict, search_setting)
 from _largest_trial_env import (TreeWatch, measure_disk_gbps, predict_trial_s, probe_capacities,  # noqa: E402
                                 tiny_simulation)
+from output_paths import output_dir, output_file  # noqa: E402
 
 GIB = 2**30
 WORKER = HERE / "largest_per_setting_worker.py"
@@ -163,8 +164,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole search")
     parser.add_argument("--trial-timeout-s", type=float, default=None, help="default 300 (--tiny: 60)")
     parser.add_argument("--max-trials", type=int, default=4, help="trials per setting at most")
-    parser.add_argument("--out", default=None, help="JSON, rewritten after every trial")
-    parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one)")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON, rewritten after every trial")
+    parser.add_argument("--nvme-path", type=output_dir, default=None, help="swap directory (default: a temporary one)")
     parser.add_argument("--tiny", action="store_true", help="CPU: tiny GPTs, artificial capacities")
     parser.add_argument("--markdown", action="store_true", help="print the markdown table at the end")
     parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",

@@ -35,6 +35,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_dir, output_file  # noqa: E402
 
 GIB = 2**30
 VOCAB = 50304
@@ -241,12 +243,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--sub-group-size", type=int, default=100_000_000,
                         help="elements per NVMe sub-group (its buffers: 4 x 4 B x this, pinned)")
-    parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary directory)")
+    parser.add_argument("--nvme-path", type=output_dir, default=None, help="swap directory (default: a temporary directory)")
     parser.add_argument("--headroom", type=float, default=0.1)
     parser.add_argument("--tier-capacity", default=None, help="GiB overrides, e.g. cpu=128,nvme=64")
     parser.add_argument("--fractions", default=None, help="an explicit split a,c,n instead of the automatic one")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
-    parser.add_argument("--out", default=None, help="JSON file, rewritten after every size (required)")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON file, rewritten after every size (required)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:

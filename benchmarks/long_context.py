@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # partita from this checkout, in ever
 from _long_context_attention import kernels, sp_steps, sparse  # noqa: E402
 from _long_context_one_gpu import one_gpu  # noqa: E402
 from _long_context_trial import _attempt, trial  # noqa: E402
+from output_paths import output_file  # noqa: E402
 
 
 def search(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--block", type=int, default=128, help="(sparse) block size of the patterns")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--trial-timeout", type=float, default=1800)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     levers = parser.add_argument_group("one-gpu (and trial)")
     levers.add_argument("--tiny", action="store_true", help="CPU, the tiny model and tiny lengths: a check of the script")
     levers.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole one-gpu run")

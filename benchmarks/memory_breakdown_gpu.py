@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -316,7 +318,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     parser.add_argument("--checkpoint", action="store_true", help="checkpoint every block (all engines)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny GPT, gloo, no snapshot")
-    parser.add_argument("--json", help="write every setting's result here")
+    parser.add_argument("--json", type=output_file, help="write every setting's result here")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per setting")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import sys
 import time
 
@@ -26,6 +27,8 @@ import torch
 
 from partita.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from partita.models import GPT, GPTConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 POLICIES = (
     ("none", {}),
@@ -138,7 +141,7 @@ def optimizer_states(config: GPTConfig, *, micro_batch: int, steps: int) -> list
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_file, required=True)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)

@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from _disk_bandwidth import dd_bandwidth, store_bandwidth  # noqa: E402
 from _nvme_step_worker import PREFIX  # noqa: E402
 from common import git_commit, hardware_summary, versions, wait_until_quiet  # noqa: E402
+from output_paths import output_dir, output_file  # noqa: E402
 
 GB = 1e9
 TINY_GPT = {"vocab_size": 256, "block_size": 16, "n_layer": 8, "n_head": 4, "n_embd": 512}
@@ -217,9 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=4, help="timed steps per run (fewer if the budget runs out)")
     p.add_argument("--runs", default="pipelined,serial", help="pipelined (pipeline_read/write on), serial (off)")
     p.add_argument("--bw-gib", type=float, default=None, help="GiB per bandwidth test; default 4 (0.5 with --tiny)")
-    p.add_argument("--nvme-path", default=None, help="swap directory on the disk measured (default: a temporary one)")
+    p.add_argument("--nvme-path", type=output_dir, default=None, help="swap directory on the disk measured (default: a temporary one)")
     p.add_argument("--budget-s", type=float, default=170.0, help="wall-clock cap for the whole benchmark")
-    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = p.parse_args(argv)
     started = time.perf_counter()
     if args.tiny and args.device != "cpu":

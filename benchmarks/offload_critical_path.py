@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import best_seconds  # noqa: E402
+from output_paths import output_file  # noqa: E402
 GPT_1_3B_NUMEL = 1_315_819_520  # GPTConfig.gpt_1_3b(), embedding tied
 PROBE_NUMEL = 256 * 2**20  # elements per host probe (1 GiB per fp32 tensor); times scale linearly
 ENGINES = ("partita2", "partita2-off", "partita2-offo", "partita2-offd", "partita2-offdo", "deepspeed2-off")
@@ -192,7 +193,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="JSON file for everything measured")
+    parser.add_argument("--out", type=output_file, default=None, help="JSON file for everything measured")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)

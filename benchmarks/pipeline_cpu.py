@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 
 from common import children_cpu_seconds, cpu_busy_seconds, git_commit, hardware_summary  # noqa: E402
 from pipeline_theory import formula_bubble, simulated_bubble  # noqa: E402
+from output_paths import output_file  # noqa: E402
 
 PARTITA_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2))
 
@@ -161,7 +162,7 @@ def main() -> None:
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--nice", type=int, default=0,
                         help="run every launch under nice -n N (negative, as root: ahead of other jobs on a shared machine)")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", type=output_file, default=None)
     args = parser.parse_args()
     ms = [int(x) for x in args.micro_batches.split(",")]
     configs = [("partita", s, v, m) for m in ms for s, v in PARTITA_SCHEDULES]

@@ -34,12 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from types import MethodType
 
 import torch
 import torch.distributed as dist
 from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 DIM, HIDDEN, ROWS, BLOCKS, BASE_SEED = 256, 1024, 64, 16, 1234
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
@@ -184,7 +187,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=output_file, required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
     configs = []

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -102,8 +104,8 @@ def main() -> None:
     parser.add_argument("--tensor", type=int, default=1)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
+    parser.add_argument("--json", type=output_file, default=None)
     args = parser.parse_args()
     if args.worker:
         worker(args.tensor, args.steps, args.warmup, args.out)
