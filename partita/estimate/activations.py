@@ -82,6 +82,7 @@ class GPTActivations:
     log_probs: int
     logits: int
     loss_grads: int
+    mlp_tile: int = 0  # sequence tiling: one MLP tile rebuilt in backward (0 untiled)
 
     @property
     def head(self) -> int:
@@ -102,7 +103,12 @@ def gpt_activations(shape: GPTShape, setup: Setup) -> GPTActivations:
     bsh = b * s * h
     ln_stats = 2 * b * s * 4  # mean + rstd, fp32
     lse = b * a * s * 4
-    full = 16 * bsh * d + 2 * ln_stats + lse + (2 * bsh if dropout else 0)
+    mlp_tiled = setup.mlp_tile_tokens is not None
+    # A tiled MLP saves only its input (the ln_2 output, counted anyway): not the fc and GELU
+    # outputs (8bsh) nor its dropout mask (bsh), which the tiles rebuild in backward.
+    elements = 8 if mlp_tiled else 16
+    masks = (1 if mlp_tiled else 2) * bsh if dropout else 0
+    full = elements * bsh * d + 2 * ln_stats + lse + masks
     block_input = bsh * d
     # Selective: input + qkv (3) + both projections (2) + fc (4) [+ SDPA output (1) and its
     # log-sum-exp, unless attention dropout makes SDPA random and hence recomputed].
@@ -116,13 +122,30 @@ def gpt_activations(shape: GPTShape, setup: Setup) -> GPTActivations:
         # Recompute rebuilds the block in full; with CPU checkpointing its input comes back too.
         recompute.append(full - kept + (block_input if setup.cpu_checkpointing else 0) if checkpointed else 0)
         offloaded.append(block_input if checkpointed and setup.cpu_checkpointing else 0)
+    tokens = b * s
+    loss_tile = setup.loss_tile_tokens
+    if loss_tile is None:
+        log_probs, logits, loss_grads = tokens * v * 4, tokens * v * d, 2 * tokens * v * 4
+    else:
+        # tiled_cross_entropy: each token's fp32 log-sum-exp is kept, never the logits; its backward
+        # holds one tile's fp32 probabilities and their cast, the fp32 head-weight gradient
+        # accumulator and the hidden states' gradient.
+        tile = min(loss_tile, tokens)
+        log_probs, logits, loss_grads = tokens * 4, 0, tile * v * (4 + d) + 4 * v * h + bsh * d
+    mlp_tile = 0
+    if mlp_tiled:
+        # One tile's fc and GELU outputs and their gradients rebuilt in backward, plus the fp32 sums of
+        # the MLP's weight gradients over the tiles (partita/sequence/tiling.py, _TiledTokenwise).
+        tile = min(setup.mlp_tile_tokens, tokens)
+        mlp_tile = 3 * tile * 4 * h * d + 4 * (8 * h * h + 5 * h)
     return GPTActivations(
         blocks=tuple(blocks), recompute=tuple(recompute), offloaded=tuple(offloaded), block_full=full,
         embeddings=2 * b * s * 8 + s * 8 + (bsh if dropout else 0),
         final_norm=2 * bsh * d + ln_stats,
-        log_probs=b * s * v * 4,
-        logits=b * s * v * d,
-        loss_grads=2 * b * s * v * 4,
+        log_probs=log_probs,
+        logits=logits,
+        loss_grads=loss_grads,
+        mlp_tile=mlp_tile,
     )
 
 
@@ -141,14 +164,21 @@ def gpt_activation_lines(shape: GPTShape, setup: Setup) -> list[Line]:
     if checkpointed:
         lines.append(Line("activations", "one block recomputed in backward", "accelerator", max(c.recompute),
                           frozenset({BACKWARD}), exact=False, kind="recompute"))
-    return lines + [
+    if c.mlp_tile:
+        lines.append(Line("activations", f"one MLP tile of {setup.mlp_tile_tokens} tokens rebuilt in backward",
+                          "accelerator", c.mlp_tile, frozenset({BACKWARD}), exact=False, kind="mlp_tile"))
+    head = "final LayerNorm + fp32 log-probabilities (loss)" if setup.loss_tile_tokens is None else \
+        f"final LayerNorm + fp32 log-sum-exp per token (loss tiled by {setup.loss_tile_tokens})"
+    grads = "cross-entropy gradients, fp32" if setup.loss_tile_tokens is None else \
+        "tiled loss backward: one tile's probabilities, fp32 head-weight sum, hidden gradient"
+    out = lines + [
         Line("activations", "token ids, targets, positions, embedding", "accelerator", c.embeddings, _SAVED,
              exact=False, kind="embeddings"),
-        Line("activations", "final LayerNorm + fp32 log-probabilities (loss)", "accelerator", c.head, _SAVED,
-             exact=False, kind="head"),
+        Line("activations", head, "accelerator", c.head, _SAVED, exact=False, kind="head"),
         Line("activations", f"{setup.dtype} logits returned to the caller", "accelerator", c.logits,
              frozenset({START_BACKWARD, BACKWARD, END_BACKWARD}), exact=False, kind="logits",
              note="while the caller holds them"),
-        Line("activations", "cross-entropy gradients, fp32", "accelerator", c.loss_grads,
-             frozenset({START_BACKWARD}), exact=False, kind="loss_grads"),
+        Line("activations", grads, "accelerator", c.loss_grads, frozenset({START_BACKWARD}), exact=False,
+             kind="loss_grads"),
     ]
+    return [line for line in out if line.nbytes or line.kind != "logits"]  # tiled loss: no logits

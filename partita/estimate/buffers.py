@@ -144,6 +144,11 @@ def _stage3_live_bytes(info: ModelInfo, setup: Setup) -> tuple[int, str]:
             if param.numel > threshold:
                 whole[param.unit] += param.numel
                 padded[param.unit] += setup.num_shards * spec.shard_numel
+    from partita.estimate.model_states import sharded_frozen
+
+    for frozen in sharded_frozen(info, setup):  # gathered with their unit (partita/zero/frozen_params.py)
+        whole[frozen.unit] += frozen.numel
+        padded[frozen.unit] += setup.num_shards * -(-frozen.numel // setup.num_shards)
     if not info.exact_layout:
         assumed = min(whole[0], 2 * setup.stage3_prefetch_bucket_size, setup.stage3_max_live_parameters)
         return assumed * d, "no model shape: assumed 2 x stage3_prefetch_bucket_size elements whole"

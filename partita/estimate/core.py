@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
 
 from partita.estimate.activations import gpt_activation_lines
+from partita.estimate.allocator import reserved_estimate
 from partita.estimate.buffers import buffer_lines
 from partita.estimate.inputs import GPTShape, Setup
 from partita.estimate.model_info import ModelInfo, model_info
@@ -64,5 +66,43 @@ def estimate_for_info(info: ModelInfo, setup: Setup) -> MemoryEstimate:
                      "are those of stand-in tensors of 2**24 elements")
     # The GPT's backward is walked block by block; otherwise every line of the phase counts in full.
     walk = gpt_backward_walk(info, setup, lines) if info.gpt is not None and setup.activation_bytes is None else None
-    return MemoryEstimate(model=info.description, setup=setup, lines=tuple(lines), activations_known=known,
-                          notes=tuple(notes), backward_walk=walk)
+    estimate = MemoryEstimate(model=info.description, setup=setup, lines=tuple(lines), activations_known=known,
+                              notes=tuple(notes), backward_walk=walk)
+    model = setup.allocator_model()
+    if model.max_split_size_mb is not None:
+        notes.append("max_split_size_mb: no recorded run calibrates it; reserved memory uses the fixed-segment "
+                     "allocator's fragmentation")
+    reserved = reserved_estimate(estimate, model, accelerator_tensor_sizes(info, setup))
+    return dataclasses.replace(estimate, notes=tuple(notes), reserved=reserved)
+
+
+def accelerator_tensor_sizes(info: ModelInfo, setup: Setup) -> list[int]:
+    """Bytes of the accelerator tensors the estimate can enumerate one by one (what the allocator
+    rounds): each parameter kept whole, each group's master, gradient partition and optimizer
+    states, and the GPT's saved activations per block. The rest (buffers) is left unrounded."""
+    from partita.estimate.groups import zero_groups
+    from partita.estimate.model_states import optimizer_state_bytes, swapped_state_count
+
+    d = setup.dtype_bytes
+    sizes: list[int] = []
+    groups = [g for g in zero_groups(info, setup)]
+    for group in groups:
+        if setup.stage < 3 and not group.aliases_params:
+            sizes += [d * p.numel for p in group.params]
+        elif setup.stage == 3:
+            sizes += [d * p.numel for p in group.params if p.numel <= setup.stage3_param_persistence_threshold]
+        if group.offloaded:
+            continue
+        sizes.append(4 * group.partition_numel)  # master (or the fp32 parameters it aliases)
+        sizes.append(4 * group.partition_numel)  # gradient partition
+        if setup.optimizer in ("Adam", "AdamW", "SGD", "Lion") and optimizer_state_bytes(setup, 1)[0]:
+            sizes += [4 * group.partition_numel] * swapped_state_count(setup)
+            sizes += [4] if setup.optimizer in ("Adam", "AdamW") else []  # the step tensor
+    sizes += [d * f.numel for f in info.frozen]
+    if info.gpt is not None and setup.activation_bytes is None:
+        b, s, h = setup.micro_batch, setup.seq_len or info.gpt.seq_len, info.gpt.d_model
+        bsh = b * s * h * d
+        per_block = [bsh, bsh, 3 * bsh, bsh, bsh, bsh] + ([] if setup.mlp_tile_tokens else [4 * bsh, 4 * bsh])
+        per_block += [b * s * 4] * 4 + [b * info.gpt.n_heads * s * 4]  # LayerNorm statistics, attention lse
+        sizes += per_block * info.gpt.n_layers
+    return sizes

@@ -206,6 +206,11 @@ class Setup:
     one_rank_free_weights: bool = True
     fold_gradients_at_end: bool = False  # zero_optimization.one_rank_gradient_fold "end" or "stream" (one rank, no offload)
     streamed_step: bool = False  # one_rank_gradient_fold "stream": no fp32 partition, param.grad held into the step
+    loss_tile_tokens: int | None = None  # sequence_tiling: LM head + loss over tiles of tokens (partita/sequence/tiling.py)
+    mlp_tile_tokens: int | None = None  # sequence_tiling: every MLP over tiles of tokens
+    frozen_zero_init: bool | None = None  # frozen params built under zero.Init (None: as the module says)
+    allocator: str = "expandable"  # the CUDA caching allocator predicted (partita/estimate/allocator.py)
+    max_split_size_mb: int | None = None  # PYTORCH_CUDA_ALLOC_CONF max_split_size_mb (fixed segments only)
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpointing, str):
@@ -235,6 +240,14 @@ class Setup:
             if getattr(self, name) not in allowed:
                 raise EstimateError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         self._check_tiers()
+        for name in ("loss_tile_tokens", "mlp_tile_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.mlp_tile_tokens is not None and self.checkpointing.policy == "selective":
+            raise NotImplementedError(
+                "the estimate of mlp_tile_tokens with selective checkpointing is not modelled (what selective keeps "
+                "inside a tiled MLP is not counted); estimate checkpointing every or none with it")
+        self.allocator_model()  # validates allocator and max_split_size_mb
         if not 0.0 < self.offload_ratio <= 1.0:
             raise EstimateError(f"offload_ratio must be in (0, 1], got {self.offload_ratio!r}")
         # The same rules as partita.zero.config.ZeroConfig, so an estimate never describes a
@@ -277,6 +290,15 @@ class Setup:
             raise EstimateError("offload_optimizer auto needs its split per tier: decide it with "
                                 "partita.estimate.tiers.plan_tiers (partita estimate does), or give offload_tiers")
         return self.offload_tiers
+
+    def allocator_model(self):
+        """The :class:`partita.estimate.allocator.AllocatorModel` this setup's reserved memory is predicted with."""
+        from partita.estimate.allocator import AllocatorModel
+
+        if self.max_split_size_mb is not None and self.allocator != "default":
+            raise EstimateError(f"max_split_size_mb {self.max_split_size_mb} applies to allocator default (fixed "
+                                f"segments), not {self.allocator!r}; drop it or set allocator default")
+        return AllocatorModel(self.allocator, self.max_split_size_mb)
 
     @property
     def dtype_bytes(self) -> int:
@@ -374,6 +396,8 @@ class Setup:
             "param_gather_from_master": zero.offload_param.gather_from_master,
             "communication_dtype": cfg.communication_data_type,
             "grad_accum_dtype": cfg.data_types.grad_accum_dtype,
+            "loss_tile_tokens": cfg.sequence_tiling.loss_tile_tokens,
+            "mlp_tile_tokens": cfg.sequence_tiling.mlp_tile_tokens,
         }
         if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
             batch = resolve_batch_sizes(cfg, dp_world_size=world)

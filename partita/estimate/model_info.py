@@ -19,7 +19,7 @@ from torch import nn
 
 from partita.estimate.inputs import EstimateError, GPTShape
 
-__all__ = ["CHUNK_NUMEL", "ModelInfo", "ParamInfo", "model_info"]
+__all__ = ["CHUNK_NUMEL", "FrozenInfo", "ModelInfo", "ParamInfo", "model_info"]
 
 CHUNK_NUMEL = 2**24
 """Elements per stand-in parameter when only a parameter count is known (a 4096 x 4096 matrix)."""
@@ -37,6 +37,18 @@ class ParamInfo:
 
 
 @dataclass(frozen=True)
+class FrozenInfo:
+    """One parameter no optimizer group holds: its size, its ZeRO-3 unit, and whether it was built
+    under ``partita.zero.Init`` (then ZeRO-3 keeps it sharded: partita/zero/frozen_params.py)."""
+
+    name: str
+    shape: torch.Size
+    numel: int
+    unit: int
+    zero_init: bool
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the estimator knows about a model.
 
@@ -50,6 +62,7 @@ class ModelInfo:
         unit_order: units in the order a forward runs them (the root first).
         gpt: the GPT shape when known (activations can then be counted).
         exact_layout: False for a bare parameter count (stand-in parameters).
+        frozen: the frozen parameters one by one (their elements sum to ``frozen_numel``).
     """
 
     description: str
@@ -60,6 +73,7 @@ class ModelInfo:
     num_units: int
     gpt: GPTShape | None = None
     exact_layout: bool = True
+    frozen: tuple[FrozenInfo, ...] = ()
 
     @property
     def trainable_numel(self) -> int:
@@ -132,19 +146,23 @@ def _from_module(module: nn.Module, param_groups: list[Any] | None, *, descripti
     names = {p: n for n, p in module.named_parameters()}
     order = {p: i for i, p in enumerate(module.parameters())}  # partita.param_groups.registration_index
     raw = _normalize_groups(param_groups, module)
-    unit_of, num_units = _units(module, {p for g in raw for p in g})
+    trained = {p for g in raw for p in g}
+    frozen_params = [p for p in module.parameters() if p not in trained]
+    unit_of, num_units = _units(module, trained | set(frozen_params))
     groups = []
     for g in raw:
         groups.append(tuple(
             ParamInfo(names[p], p.shape, p.numel(), order[p], unit_of[p]) for p in g
         ))
-    trained = {p for g in raw for p in g}
-    frozen = sum(p.numel() for p in module.parameters() if p not in trained)
+    from partita.zero.init_context import init_shard_of  # built under zero.Init: it holds this rank's shard
+
+    frozen = tuple(FrozenInfo(names[p], p.shape, p.numel(), unit_of[p], init_shard_of(p) is not None)
+                   for p in frozen_params)
     float_buffers = sum(b.numel() for b in module.buffers() if b.is_floating_point())
     other_buffers = sum(b.numel() * b.element_size() for b in module.buffers() if not b.is_floating_point())
     return ModelInfo(
-        description=description, groups=tuple(groups), frozen_numel=frozen,
-        float_buffer_numel=float_buffers, other_buffer_bytes=other_buffers, num_units=num_units,
+        description=description, groups=tuple(groups), frozen_numel=sum(f.numel for f in frozen),
+        float_buffer_numel=float_buffers, other_buffer_bytes=other_buffers, num_units=num_units, frozen=frozen,
     )
 
 
@@ -161,8 +179,9 @@ def _normalize_groups(param_groups: list[Any] | None, module: nn.Module) -> list
 
 
 def _units(module: nn.Module, trainable: set[nn.Parameter]) -> tuple[dict[nn.Parameter, int], int]:
-    """Each trainable parameter's ZeRO-3 unit, by ParameterGatherer._assign_units' rule: the
-    innermost unit containing it, or the root when two units that do not nest share it.
+    """Each parameter's (of ``trainable``: trainable and frozen ones) ZeRO-3 unit, by
+    ParameterGatherer._assign_units' rule: the innermost unit containing it, or the root when two
+    units that do not nest share it.
     (Persistent parameters are simply left out of their unit later.)"""
     from partita.zero.units import find_units
 

@@ -65,10 +65,13 @@ from partita.zero.streamed_step import CHUNK_NUMEL as STREAM_CHUNK_NUMEL
 from partita.estimate.result import ALWAYS, BACKWARD, END_BACKWARD, START_BACKWARD, STEP, WRITE_BACK, Line
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT
 from partita.optim.eight_bit import BLOCK_SIZE
+from partita.zero.partition import ShardLayout
 
 __all__ = [
     "fp32_sums_active",
     "frees_block_weights",
+    "frozen_lines",
+    "sharded_frozen",
     "holds_grads_across_micro_batches",
     "model_state_lines",
     "optimizer_state_bytes",
@@ -188,6 +191,35 @@ def _stage3_shard_lines(groups: list[ZeroGroup], setup: Setup) -> list[Line]:
     return lines
 
 
+def sharded_frozen(info: ModelInfo, setup: Setup) -> list:
+    """Frozen parameters ZeRO-3 keeps sharded (partita/zero/frozen_params.py): built under zero.Init
+    (``Setup.frozen_zero_init`` overrides what the module says) and above the persistence threshold."""
+    if setup.stage != 3:
+        return []
+    built_sharded = (lambda f: f.zero_init) if setup.frozen_zero_init is None else (lambda f: setup.frozen_zero_init)
+    return [f for f in info.frozen if built_sharded(f) and f.numel > setup.stage3_param_persistence_threshold]
+
+
+def frozen_lines(info: ModelInfo, setup: Setup) -> list[Line]:
+    """Frozen parameters: whole in the model dtype, except at ZeRO-3 those built under zero.Init, of
+    which each rank keeps its shard (``FrozenShards``: zero.Init's layout, ``ceil(numel / N)``
+    elements per rank), gathered with their unit (counted in the ZeRO-3 buffers), never reduced or
+    stepped: no gradient, no master, no optimizer state."""
+    d = setup.dtype_bytes
+    sharded = sharded_frozen(info, setup)
+    names = {f.name for f in sharded}
+    whole = info.frozen_numel - sum(f.numel for f in sharded) if info.frozen else info.frozen_numel
+    lines = []
+    if whole:
+        lines.append(Line("parameters", "frozen parameters", "accelerator", d * whole))
+    if sharded:
+        layout = ShardLayout.build([f.shape for f in sharded], num_shards=setup.world_size)
+        lines.append(Line("parameters", "frozen parameter shards (zero.Init, sharded)", "accelerator",
+                          d * sum(spec.shard_numel for spec in layout.specs),
+                          note=f"{len(names)} parameters, 1/{setup.world_size} each"))
+    return lines
+
+
 def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     """Per-rank bytes of parameters, gradients and optimizer states for ``setup``."""
     groups = zero_groups(info, setup)
@@ -231,8 +263,7 @@ def model_state_lines(info: ModelInfo, setup: Setup) -> list[Line]:
             "parameters", f"persistent parameters (<= {setup.stage3_param_persistence_threshold:,} elements, whole)",
             "accelerator", d * persistent,
         ))
-    if info.frozen_numel:
-        lines.append(Line("parameters", "frozen parameters", "accelerator", d * info.frozen_numel))
+    lines += frozen_lines(info, setup)
     if info.float_buffer_numel or info.other_buffer_bytes:
         lines.append(Line("parameters", "module buffers", "accelerator",
                           d * info.float_buffer_numel + info.other_buffer_bytes))

@@ -79,6 +79,7 @@ class MemoryEstimate:
     activations_known: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
     backward_walk: int | None = None
+    reserved: Any = None  # partita.estimate.allocator.ReservedEstimate (None: not predicted)
 
     def total(self, device: str = "accelerator", *, category: str | None = None, phase: str | None = None) -> int:
         """Bytes on ``device``, optionally of one category and/or alive in one phase.
@@ -114,6 +115,12 @@ class MemoryEstimate:
         return self.peak("cpu")[0]
 
     @property
+    def reserved_accelerator(self) -> int:
+        """Predicted ``torch.cuda.max_memory_reserved``: the peak with the caching allocator's rounding
+        and fragmentation (partita/estimate/allocator.py); what a fit decision compares with memory."""
+        return self.peak_accelerator if self.reserved is None else self.reserved.reserved
+
+    @property
     def nvme(self) -> int:
         return self.total("nvme")
 
@@ -143,6 +150,8 @@ class MemoryEstimate:
             "peak_cpu_bytes": cpu_peak,
             "peak_cpu_phase": cpu_phase,
             "nvme_bytes": self.nvme,
+            "reserved_accelerator_bytes": self.reserved_accelerator,
+            "reserved_accelerator": None if self.reserved is None else self.reserved.to_dict(),
             "activations_known": self.activations_known,
             "phase_totals_accelerator": {p: self.total("accelerator", phase=p) for p in PHASES},
             "notes": list(self.notes),
