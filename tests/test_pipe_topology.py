@@ -121,13 +121,29 @@ def two_rank_body() -> list:
     import partita
     from partita.pipe import PipelineModule
 
-    partita.init_distributed(dist_backend="gloo")
+    partita.init_distributed()
     torch.manual_seed(0)
     records = []
     for topo in (ds_topology.PipeDataParallelTopology(num_pp=2, num_dp=1),
                  ds_topology.PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=1),
                  ds_topology.ProcessTopology(["data", "pipe"], [1, 2])):
         records.append(_stage_record(PipelineModule(layers=_layers(), topology=topo, partition_method="uniform"), topo))
+    # initialize() with a topology that matches the config's mesh, then one whose model axis does not.
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 1000}
+    topo = ds_topology.PipeDataParallelTopology(num_pp=2, num_dp=1)
+    module = PipelineModule(layers=_layers(), topology=topo, loss_fn=nn.functional.mse_loss, partition_method="uniform")
+    engine, *_ = partita.initialize(model=module, config=config)
+    mesh = engine.topology
+    records.append({"engine_mesh": [mesh.pipe_rank, mesh.pipe_size, mesh.data_size, mesh.tensor_size],
+                    "expected_pipe": topo.get_coord(mesh.rank).pipe})
+    wide = PipelineModule(layers=_layers(), topology=ds_topology.PipeModelDataParallelTopology(1, 2, 1),
+                          loss_fn=nn.functional.mse_loss)
+    try:
+        partita.initialize(model=wide, config=config)
+        mismatch = None
+    except ValueError as error:
+        mismatch = [type(error).__name__, str(error)]
     errors = []
     for topo, kwargs in ((ds_topology.PipeDataParallelTopology(num_pp=1, num_dp=1), {}),
                          (ds_topology.PipeDataParallelTopology(num_pp=2, num_dp=1), {"num_stages": 1})):
@@ -135,12 +151,20 @@ def two_rank_body() -> list:
             PipelineModule(layers=_layers(), topology=topo, **kwargs)
         except ValueError as error:
             errors.append(str(error))
-    return [records, errors]
+    return [records, errors, mismatch]
 
 
 def test_pipeline_module_takes_deepspeed_topologies_on_two_ranks() -> None:
     results = run_distributed(two_rank_body, 2)
-    for rank, (records, errors) in enumerate(results):
+    for rank, (records, errors, mismatch) in enumerate(results):
+        engine = records.pop()
+        assert engine == {"engine_mesh": [rank, 2, 1, 1], "expected_pipe": rank}
+        assert mismatch == [
+            "ConfigError",
+            "the PipelineModule's topology (pipe=1, data=1, model=2) disagrees with the mesh the config builds (pipe=1, "
+            "data=2, model=1; model is tensor_parallel.autotp_size, data is what pipe x tensor leave): set "
+            "\"tensor_parallel\": {\"autotp_size\": 2} (or build the topology with num_mp=1)",
+        ]
         for record in records:
             assert record["rank"] == rank
             assert record["stage"] == record["expected_stage"] == rank
@@ -158,7 +182,7 @@ def four_rank_body() -> list:
     import partita
     from partita.pipe import PipelineModule
 
-    partita.init_distributed(dist_backend="gloo")
+    partita.init_distributed()
     records = []
     for topo in (ds_topology.PipeDataParallelTopology(num_pp=2, num_dp=2),
                  ds_topology.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from partita.pipe.partition import partition_by_method
+from partita.pipe.topology import mesh_sizes
 
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageChunk"]
@@ -189,9 +190,15 @@ class PipelineModule(nn.Module):
     """DeepSpeed's ``PipelineModule``: a layer list partitioned into ``num_stages`` stages.
 
     ``torch.distributed`` must be initialised first (``partita.init_distributed()``): the stage
-    this rank builds depends on its rank. ``topology``: a :class:`partita.distributed.topology.Topology`
-    (its pipe size is taken) or None. ``virtual_stages`` (partita only): model chunks per rank for
-    the interleaved schedules (config ``pipeline.schedule``).
+    this rank builds depends on its rank. ``topology``: None, a
+    :class:`partita.distributed.topology.Topology` (its pipe size is taken), or DeepSpeed's
+    ``ProcessTopology`` / ``PipeDataParallelTopology`` / ``PipeModelDataParallelTopology``
+    (partita's, :mod:`partita.pipe.topology`, or DeepSpeed's own objects): its ``pipe``, ``data``
+    and ``model`` axes become partita's pipe, data and tensor axes, and a topology that puts any
+    rank elsewhere than partita's mesh does, or does not cover the world, is a ValueError
+    (:func:`partita.pipe.topology.mesh_sizes`); ``initialize`` then checks the config agrees
+    (:meth:`check_topology`). ``virtual_stages`` (partita only): model chunks per rank for the
+    interleaved schedules (config ``pipeline.schedule``).
     """
 
     def __init__(
@@ -225,12 +232,20 @@ class PipelineModule(nn.Module):
         if seed_fn is not None:
             raise NotImplementedError("PipelineModule(seed_fn=...) is not implemented; use seed_layers=True with base_seed")
         world = dist.get_world_size()
+        # DeepSpeed's topology as given, and its sizes on partita's axes (None for partita's own
+        # Topology or num_stages: the config decides the mesh then).
+        self.process_topology = topology if _is_deepspeed_topology(topology) else None
+        self.topology_sizes: dict[str, int] | None = None
         if topology is not None:
-            pipe_size = getattr(topology, "pipe_size", None)
+            if self.process_topology is not None:
+                self.topology_sizes = mesh_sizes(topology, world)
+                pipe_size = self.topology_sizes["pipe"]
+            else:
+                pipe_size = getattr(topology, "pipe_size", None)
             if pipe_size is None:
                 raise ValueError(
-                    f"PipelineModule(topology=...) takes a partita Topology, got {type(topology).__name__}; "
-                    "or pass num_stages=<int> instead"
+                    f"PipelineModule(topology=...) takes a partita Topology or a DeepSpeed ProcessTopology "
+                    f"(partita.runtime.pipe.topology), got {type(topology).__name__}; or pass num_stages=<int> instead"
                 )
             if num_stages is not None and num_stages != pipe_size:
                 raise ValueError(f"num_stages={num_stages} disagrees with the topology's pipe size {pipe_size}; give one")
@@ -262,7 +277,7 @@ class PipelineModule(nn.Module):
         self.checkpoint_use_reentrant = False
         self._layer_specs = list(layers)
         self.ranks_per_stage = world // num_stages
-        self.stage_id = dist.get_rank() // self.ranks_per_stage
+        self.stage_id = dist.get_rank() // self.ranks_per_stage  # mesh_sizes checked DeepSpeed's get_coord(rank).pipe agrees
         self.global_rank = dist.get_rank()
 
         num_parts = num_stages * virtual_stages
@@ -386,6 +401,26 @@ class PipelineModule(nn.Module):
                     chunk._modules[str(index)] = current
 
     # ------------------------------------------------------------------ queries
+    def check_topology(self, topology: Any) -> None:
+        """At ``initialize``: a DeepSpeed topology given to this module must describe the mesh the
+        config built (``topology``, partita's): its ``model`` axis is the config's tensor size and
+        its ``data`` axis partita's data x sequence (the ZeRO group). No-op without one."""
+        if self.topology_sizes is None:
+            return
+        from partita.config.base import ConfigError
+
+        built = {"pipe": topology.pipe_size, "data": topology.data_size * topology.sequence_size,
+                 "tensor": topology.tensor_size}
+        if built != self.topology_sizes:
+            given = ", ".join(f"{_DEEPSPEED_AXIS[a]}={n}" for a, n in self.topology_sizes.items())
+            mesh = ", ".join(f"{_DEEPSPEED_AXIS[a]}={n}" for a, n in built.items())
+            raise ConfigError(
+                f"the PipelineModule's topology ({given}) disagrees with the mesh the config builds ({mesh}; model is "
+                f"tensor_parallel.autotp_size, data is what pipe x tensor leave): set \"tensor_parallel\": "
+                f"{{\"autotp_size\": {self.topology_sizes['tensor']}}} (or build the topology with "
+                f"num_mp={topology.tensor_size})"
+            )
+
     def tied_groups(self) -> list[TiedGroup]:
         """This rank's tied keys (only those it owns)."""
         return list(self._tied_groups)
@@ -411,6 +446,14 @@ class PipelineModule(nn.Module):
         for chunk in self.chunks:
             x = chunk(*x) if isinstance(x, tuple) else chunk(x)
         return x
+
+
+_DEEPSPEED_AXIS = {"pipe": "pipe", "data": "data", "tensor": "model"}
+
+
+def _is_deepspeed_topology(topology: Any) -> bool:
+    """DeepSpeed's ProcessTopology interface (partita's classes or DeepSpeed's own objects)."""
+    return all(callable(getattr(topology, name, None)) for name in ("get_axis_names", "get_dim", "get_coord"))
 
 
 def _type_name(layer: Any) -> str | None:

@@ -40,6 +40,7 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
     is on its device, before ZeRO copies the weights into its fp32 masters. No-op for other models."""
     if not isinstance(model, PipelineModule):
         return
+    model.check_topology(topology)  # a DeepSpeed topology given to the module must match the config's mesh
     pipeline = cfg.pipeline
     stage = cfg.zero_optimization.stage
     if stage >= 3:
