@@ -540,9 +540,12 @@ def _load_rng(reader: ShardReader, meta: dict[str, Any]) -> None:
             )
         return
     name = fmt.rank_file(rank)
+    metadata = reader.metadata(name)
+    if fmt.RNG_METADATA_KEY not in metadata:
+        return  # no generator states saved (a checkpoint imported from DeepSpeed, which saves none)
     handle = reader.handle(name)
     tensors = {k: handle.get_tensor(k) for k in handle.keys() if k.startswith("rng/")}
-    restore_rng(json.loads(reader.metadata(name)[fmt.RNG_METADATA_KEY]), tensors)
+    restore_rng(json.loads(metadata[fmt.RNG_METADATA_KEY]), tensors)
 
 
 def _load_sampler(engine: Engine, meta: dict[str, Any]) -> None:
