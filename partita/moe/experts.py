@@ -1,35 +1,40 @@
-"""A rank's local experts: one stacked parameter per expert parameter, expert index first.
+"""A rank's local experts in DeepSpeed's layout: ``num_local`` real instances of the user's
+expert class at ``experts.deepspeed_experts[j]``, whose parameters are rows of stacked storage.
 
-DeepSpeed deep-copies the user's ``expert`` module once per local expert. Here the copies'
-parameters are *stacked*: a parameter of shape ``s`` in ``expert`` becomes one parameter of
-shape ``(num_local, *s)``, row ``j`` being local expert ``j``. Why:
+DeepSpeed deep-copies the user's ``expert`` module once per local expert; so does
+:class:`Experts`, so client code finds, seeds and inspects ``deepspeed_experts[j]`` exactly as
+under DeepSpeed, and state dicts carry DeepSpeed's keys
+(``deepspeed_experts.<j>.<name>``). What differs is where the copies' parameters live:
+parameter ``name`` of local expert ``j`` is row ``j`` of one ``(num_local, *shape)`` tensor
+(partita/moe/stacked.py), so the experts still run as one grouped GEMM over stacked weights:
 
-- a checkpoint can key experts by global index with no renaming: local expert ``j`` of expert
-  rank ``r`` is global expert ``r * num_local + j``, i.e. a contiguous range of the flattened
-  ``(num_experts, *s)`` tensor, which partita's shard format already stores and reshards
-  (see :mod:`partita.moe.registry`);
-- MLP experts run as one grouped GEMM over the stacked weights (no per-forward stacking copy).
+- an :class:`ExpertMLP` (or ``nn.Sequential(Linear, <activation>, Linear)``) runs as grouped
+  GEMMs: ``torch.nn.functional.grouped_mm`` (torch >= 2.10; on CPU in torch 2.13 in fp32 and
+  bf16) when a one-time probe on this device and dtype succeeds and the widths meet its
+  16-byte stride rule, a loop of per-expert matmuls otherwise; in capacity mode, batched GEMMs;
+- any other expert module runs as itself, once per local expert (as DeepSpeed does).
 
-Any expert module without buffers works: it is run once per local expert through
-``torch.func.functional_call`` with row ``j`` of every stacked parameter (views, no copies).
-An :class:`ExpertMLP` (or ``nn.Sequential(Linear, <activation>, Linear)``) instead runs as
-grouped GEMMs: ``torch.nn.functional.grouped_mm`` (torch >= 2.10; runs on CPU in torch 2.13 in
-fp32 and bf16) when a one-time probe on this device and dtype succeeds and the widths meet its
-16-byte stride rule, a loop of per-expert matmuls otherwise. Every local expert takes part in
-every forward even with no tokens (an empty slice), so each gets a (zero) gradient and ZeRO's
-reductions never wait for one that never comes.
+Every local expert takes part in every forward even with no tokens (an empty slice), so each
+gets a (zero) gradient and ZeRO's reductions never wait for one that never comes.
+
+``deepspeed_experts`` is an :class:`ExpertList` (indexing, ``len``, iteration, like
+DeepSpeed's ``nn.ModuleList``) rather than an ``nn.ModuleList``: ZeRO-3 makes every child of a
+ModuleList a unit gathered by its own forward, and the grouped GEMM never calls the experts'
+forwards; as plain children the experts' parameters are gathered with the enclosing unit.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ExpertMLP", "Experts", "grouped_mm_available"]
+from partita.moe.stacked import allocate_rows, expert_linear, rows_view, stack_params
+
+__all__ = ["ExpertList", "ExpertMLP", "Experts", "grouped_mm_available"]
 
 
 class ExpertMLP(nn.Module):
@@ -58,11 +63,11 @@ _ACTIVATION_MODULES: dict[type, str] = {nn.GELU: "gelu", nn.ReLU: "relu", nn.SiL
 
 def _mlp_structure(expert: nn.Module) -> tuple[str, str, str] | None:
     """``(fc1 name, fc2 name, activation)`` when ``expert`` is a two-layer MLP we can group."""
-    if isinstance(expert, ExpertMLP):
+    if type(expert) is ExpertMLP:  # a subclass may override forward
         return "fc1", "fc2", expert.activation
-    if isinstance(expert, nn.Sequential) and len(expert) == 3:
+    if type(expert) is nn.Sequential and len(expert) == 3:
         first, act, second = expert
-        if (isinstance(first, nn.Linear) and isinstance(second, nn.Linear) and type(act) in _ACTIVATION_MODULES
+        if (type(first) is nn.Linear and type(second) is nn.Linear and type(act) in _ACTIVATION_MODULES
                 and (first.bias is None) == (second.bias is None)
                 and not (isinstance(act, nn.GELU) and act.approximate != "none")):
             return "0", "2", _ACTIVATION_MODULES[type(act)]
@@ -80,113 +85,165 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
         ok = False
         if fn is not None:
             try:
-                x = torch.randn(8, 8, device=device, dtype=dtype, requires_grad=True)
-                w = torch.randn(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-                y = fn(x, w, offs=torch.tensor([3, 8], dtype=torch.int32, device=device))
-                y.backward(torch.ones_like(y))
-                ok = bool(torch.allclose(y[:3].float(), (x[:3] @ w[0]).float(), atol=1e-2, rtol=1e-2))
+                with torch.enable_grad():  # the first forward may run under no_grad
+                    x = torch.randn(8, 8, device=device, dtype=dtype, requires_grad=True)
+                    w = torch.randn(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([3, 8], dtype=torch.int32, device=device)
+                    y = fn(x, w, offs=offs)
+                    y.backward(torch.ones_like(y))
+                    wgrad = fn(x.detach().t(), torch.ones_like(y), offs=offs)  # the weight gradient's form
+                ok = bool(torch.allclose(y[:3].float(), (x[:3] @ w[0]).float(), atol=1e-2, rtol=1e-2)
+                          and wgrad.shape == (2, 8, 8))
             except (RuntimeError, TypeError, NotImplementedError):
                 ok = False
         _PROBED[key] = ok
     return _PROBED[key]
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
-    rejects the stride-0 gradients that ``sum()`` or ``expand`` produce."""
+class ExpertList(nn.Module):
+    """DeepSpeed's ``deepspeed_experts``: the local experts as children ``"0"``, ``"1"``, ...
+    (indexing, ``len`` and iteration as an ``nn.ModuleList``; see the module docstring for why
+    it is not one)."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+    def __init__(self, experts: list[nn.Module]) -> None:
+        super().__init__()
+        for j, expert in enumerate(experts):
+            self.add_module(str(j), expert)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+    def __getitem__(self, index: int) -> nn.Module:
+        if isinstance(index, slice):
+            return list(self._modules.values())[index]
+        n = len(self._modules)
+        if not -n <= index < n:
+            raise IndexError(f"local expert index {index} out of range: this rank holds {n} experts")
+        return self._modules[str(index % n)]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
 
 
 class Experts(nn.Module):
-    """``num_local`` copies of ``expert`` with stacked parameters (see the module docstring)."""
+    """DeepSpeed's ``Experts``: ``num_local_experts`` copies of ``expert`` in ``deepspeed_experts``
+    (see the module docstring). ``expert_group_name`` is accepted for DeepSpeed's signature."""
 
-    def __init__(self, expert: nn.Module, num_local: int) -> None:
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
         super().__init__()
-        if num_local < 1:
-            raise ValueError(f"num_local={num_local} must be >= 1")
-        if any(True for _ in expert.buffers()):
-            raise NotImplementedError(
-                "experts with buffers (e.g. BatchNorm) are not supported: stacked experts share one module "
-                "structure and buffers would need per-expert copies"
-            )
-        self.num_local = num_local
-        self.stacked = copy.deepcopy(expert)
-        for name, param in list(self.stacked.named_parameters()):
-            owner_name, _, leaf = name.rpartition(".")
-            owner = self.stacked.get_submodule(owner_name) if owner_name else self.stacked
-            stacked = param.detach().unsqueeze(0).repeat(num_local, *([1] * param.dim())).contiguous()
-            setattr(owner, leaf, nn.Parameter(stacked, requires_grad=param.requires_grad))
-        self._names = [name for name, _ in self.stacked.named_parameters()]
+        if num_local_experts < 1:
+            raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
+        self.num_local_experts = num_local_experts
+        self.expert_group_name = expert_group_name
+        template = dict(expert.named_parameters())
+        rows = {name: allocate_rows([p] * num_local_experts) for name, p in template.items()}
+        copies = []
+        for j in range(num_local_experts):
+            # Seeding deepcopy's memo with row-view parameters: the copy gets them in place of
+            # copies of the template's parameters (buffers and everything else are copied).
+            memo = {id(p): nn.Parameter(rows[name][j], requires_grad=p.requires_grad) for name, p in template.items()}
+            copies.append(copy.deepcopy(expert, memo))
+        self.deepspeed_experts = ExpertList(copies)
+        self._names = list(template)
         self._mlp = _mlp_structure(expert)
+
+    @property
+    def num_local(self) -> int:
+        return self.num_local_experts
+
+    def expert_params(self, name: str) -> list[nn.Parameter]:
+        """Parameter ``name`` of every local expert, in local order."""
+        return [e.get_parameter(name) for e in self.deepspeed_experts]
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` of every local expert as one ``(num_local, *shape)`` tensor: a view
+        of their storage when they are rows of one (no autograd), else a copy."""
+        params = self.expert_params(name)
+        view = rows_view(params)
+        return view if view is not None else torch.stack([p.detach() for p in params])
+
+    def is_stacked(self) -> bool:
+        """Whether every expert parameter is a row of one stacked storage (no copy in forward)."""
+        return all(rows_view(self.expert_params(name)) is not None for name in self._names)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .half() / .cuda() / to_empty() convert each parameter on its own (param.data =
+        # fn(param)): stack the rows again, so forwards need no copy. Before partita.initialize,
+        # which is where ZeRO takes over the parameters' storage.
+        module = super()._apply(fn, recurse)
+        self.restack_()
+        return module
+
+    @torch.no_grad()
+    def restack_(self) -> None:
+        """Make each expert parameter a row of one stacked storage again (a copy, where they are not)."""
+        for name in self._names:
+            params = self.expert_params(name)
+            if rows_view(params) is not None or any(p.untyped_storage().nbytes() == 0 for p in params):
+                continue
+            for param, row in zip(params, allocate_rows([p.detach() for p in params])):
+                param.data = row
 
     @property
     def uses_grouped_mm(self) -> bool:
         """Whether a forward on these experts' device and dtype runs torch's grouped matmul."""
-        p = next(self.stacked.parameters())
+        p = self.deepspeed_experts[0].get_parameter(self._names[0])
         return self._grouped_ok(p.device, p.dtype)
 
     def _grouped_ok(self, device: torch.device, dtype: torch.dtype) -> bool:
         if self._mlp is None:
             return False
-        w1 = self.stacked.get_submodule(self._mlp[0]).weight
+        w1 = self.deepspeed_experts[0].get_submodule(self._mlp[0]).weight
         align = 16 // torch.empty((), dtype=dtype).element_size()  # grouped_mm: 16-byte strides
-        return all(n % align == 0 for n in w1.shape[1:]) and grouped_mm_available(device, dtype)
+        return all(n % align == 0 for n in w1.shape) and grouped_mm_available(device, dtype)
+
+    def _layers(self) -> tuple[list[nn.Linear], list[nn.Linear], Callable]:
+        fc1, fc2, act = self._mlp
+        experts = list(self.deepspeed_experts)
+        return [e.get_submodule(fc1) for e in experts], [e.get_submodule(fc2) for e in experts], _ACTIVATIONS[act]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``Experts.forward``: ``inputs`` cut into ``num_local`` chunks along dim 1,
+        chunk ``j`` through local expert ``j``, concatenated again along dim 1."""
+        chunks = inputs.chunk(self.num_local_experts, dim=1)
+        return torch.cat([_first(expert(chunk)) for chunk, expert in zip(chunks, self.deepspeed_experts)], dim=1)
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of ``x`` sorted by local expert, ``counts[j]`` rows for expert ``j`` -> outputs, same order."""
-        if len(counts) != self.num_local:
-            raise ValueError(f"got {len(counts)} token counts for {self.num_local} local experts")
-        if self._mlp is not None:
-            return self._mlp_forward(x, counts)
+        if len(counts) != self.num_local_experts:
+            raise ValueError(f"got {len(counts)} token counts for {self.num_local_experts} local experts")
+        if self._mlp is None:
+            chunks = torch.split(x, counts, dim=0)
+            return torch.cat([_first(e(c)) for e, c in zip(self.deepspeed_experts, chunks)], dim=0)
+        fc1, fc2, act = self._layers()
+        if self._grouped_ok(x.device, x.dtype):
+            offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+            h = expert_linear(x, [m.weight for m in fc1], offs)
+            if fc1[0].bias is not None:
+                h = h + _per_row(stack_params([m.bias for m in fc1]), counts)
+            y = expert_linear(act(h), [m.weight for m in fc2], offs)
+            return y + _per_row(stack_params([m.bias for m in fc2]), counts) if fc2[0].bias is not None else y
+        # Loop fallback: torch without grouped_mm, or widths it cannot take.
         outputs = []
-        params = dict(self.stacked.named_parameters())
         for j, chunk in enumerate(torch.split(x, counts, dim=0)):
-            outputs.append(torch.func.functional_call(self.stacked, {n: params[n][j] for n in self._names}, (chunk,)))
+            outputs.append(F.linear(act(F.linear(chunk, fc1[j].weight, fc1[j].bias)), fc2[j].weight, fc2[j].bias))
         return torch.cat(outputs, dim=0)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` of shape ``(num_local, tokens, hidden)`` (capacity mode) -> same shape."""
-        if self._mlp is not None:
-            fc1, fc2, act = (self.stacked.get_submodule(self._mlp[0]), self.stacked.get_submodule(self._mlp[1]),
-                             _ACTIVATIONS[self._mlp[2]])
-            h = torch.bmm(x, fc1.weight.transpose(1, 2))
-            if fc1.bias is not None:
-                h = h + fc1.bias.unsqueeze(1)
-            y = torch.bmm(act(h), fc2.weight.transpose(1, 2))
-            return y + fc2.bias.unsqueeze(1) if fc2.bias is not None else y
-        params = dict(self.stacked.named_parameters())
-        return torch.stack([
-            torch.func.functional_call(self.stacked, {n: params[n][j] for n in self._names}, (x[j],))
-            for j in range(self.num_local)
-        ])
+        if self._mlp is None:
+            return torch.stack([_first(e(x[j])) for j, e in enumerate(self.deepspeed_experts)])
+        fc1, fc2, act = self._layers()
+        h = expert_linear(x, [m.weight for m in fc1])
+        if fc1[0].bias is not None:
+            h = h + stack_params([m.bias for m in fc1]).unsqueeze(1)
+        y = expert_linear(act(h), [m.weight for m in fc2])
+        return y + stack_params([m.bias for m in fc2]).unsqueeze(1) if fc2[0].bias is not None else y
 
-    def _mlp_forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        fc1, fc2 = self.stacked.get_submodule(self._mlp[0]), self.stacked.get_submodule(self._mlp[1])
-        act = _ACTIVATIONS[self._mlp[2]]
-        if self._grouped_ok(x.device, x.dtype):
-            fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
-            offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-            x = _ContiguousGrad.apply(x)
-            h = fn(x, fc1.weight.transpose(1, 2), offs=offs)
-            h = _ContiguousGrad.apply(h)
-            if fc1.bias is not None:
-                h = h + _per_row(fc1.bias, counts)
-            y = fn(_ContiguousGrad.apply(act(h)), fc2.weight.transpose(1, 2), offs=offs)
-            y = _ContiguousGrad.apply(y)
-            return y + _per_row(fc2.bias, counts) if fc2.bias is not None else y
-        # Loop fallback: torch without grouped_mm, or widths it cannot take.
-        outputs = []
-        for j, chunk in enumerate(torch.split(x, counts, dim=0)):
-            h = F.linear(chunk, fc1.weight[j], None if fc1.bias is None else fc1.bias[j])
-            outputs.append(F.linear(act(h), fc2.weight[j], None if fc2.bias is None else fc2.bias[j]))
-        return torch.cat(outputs, dim=0)
+
+def _first(out):
+    """An expert's output, or its first element when it returns a tuple (output, bias), as DeepSpeed."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _per_row(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:

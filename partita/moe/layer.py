@@ -25,29 +25,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from partita.moe.dispatch import agree_capacity, capacity_dispatch, dropless_dispatch
 from partita.moe.experts import Experts
-from partita.moe.gating import Routing, route
+from partita.moe.gating import Routing
 from partita.moe.registry import register_expert_params
+from partita.moe.sharded_moe import MOELayer, TopKGate
 
 __all__ = ["MoE", "RoutingStats", "TopKGate"]
 
 _NOISY_POLICIES = (None, "Jitter", "RSample")
-_JITTER_EPS = 1e-2
-
-
-class TopKGate(nn.Module):
-    """The router: a bias-free linear map to one logit per expert, computed in fp32 (as DeepSpeed)."""
-
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.wg = nn.Linear(hidden_size, num_experts, bias=False)
-
-    def logits(self, x: torch.Tensor, *, jitter: bool) -> torch.Tensor:
-        x = x.float()
-        if jitter:  # DeepSpeed's multiplicative jitter (Switch Transformer): x * U(1 - eps, 1 + eps)
-            x = x * torch.empty_like(x).uniform_(1.0 - _JITTER_EPS, 1.0 + _JITTER_EPS)
-        return F.linear(x, self.wg.weight.float())
 
 
 @dataclass
@@ -113,39 +98,65 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
-        self.k = k
-        self.capacity_factor = capacity_factor
-        self.eval_capacity_factor = eval_capacity_factor
-        self.min_capacity = min_capacity
-        self.noisy_gate_policy = noisy_gate_policy
-        self.drop_tokens = drop_tokens
-        self.use_rts = use_rts
-        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
-        self.drop_policy = drop_policy
-        self.router_z_loss_coef = router_z_loss_coef
+        self.expert_group_name = f"ep_size_{ep_size}"
         self.use_residual = use_residual
-
-        self.gate = TopKGate(hidden_size, num_experts)
-        self.experts = Experts(expert, self.num_local_experts)
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        # DeepSpeed's module tree (child order included): deepspeed_moe.{gate.wg, experts.deepspeed_experts.<j>},
+        # then mlp and coefficient with use_residual; partita's shared experts come last.
+        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling,
+                        drop_policy=drop_policy, router_z_loss_coef=router_z_loss_coef)
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
         if use_residual:
-            self.mlp = Experts(expert, 1)
+            self.mlp = expert  # the module itself, as DeepSpeed (the experts are copies of it)
             self.coefficient = nn.Linear(hidden_size, 2)
         self.shared_experts = Experts(shared_expert or expert, num_shared_experts) if num_shared_experts else None
-        register_expert_params(self, self.expert_parameters())
+        for j, local in enumerate(experts.deepspeed_experts):
+            register_expert_params(self, list(local.parameters()), local_index=j)
         self._groups = None  # ExpertGroups, set by bind()
         self._stats: list[torch.Tensor] | None = None  # [tokens per expert, dropped, assignments, l_aux]
         self._stat_forwards = 0
 
+    # Routing options live on the gate (DeepSpeed's place); read here for convenience.
+    k = property(lambda self: self.deepspeed_moe.gate.k)
+    capacity_factor = property(lambda self: self.deepspeed_moe.gate.capacity_factor)
+    eval_capacity_factor = property(lambda self: self.deepspeed_moe.gate.eval_capacity_factor)
+    min_capacity = property(lambda self: self.deepspeed_moe.gate.min_capacity)
+    drop_tokens = property(lambda self: self.deepspeed_moe.gate.drop_tokens)
+
+    @property
+    def gate(self) -> TopKGate:
+        """``deepspeed_moe.gate`` (a shortcut, not a second entry in the module tree)."""
+        return self.deepspeed_moe.gate
+
+    @property
+    def experts(self) -> Experts:
+        """``deepspeed_moe.experts`` (a shortcut, not a second entry in the module tree)."""
+        return self.deepspeed_moe.experts
+
     # ------------------------------------------------------------------ expert parallelism
     def expert_parameters(self) -> list[nn.Parameter]:
-        """The routed experts' (stacked) parameters: the ones reduced over the expert-data group."""
-        return list(self.experts.parameters())
+        """The routed experts' parameters (every local expert's, in local order): the ones
+        reduced over the expert-data group."""
+        return list(self.deepspeed_moe.experts.parameters())
 
     def bind(self, groups) -> None:
         """Use these :class:`~partita.distributed.topology.ExpertGroups` (from ``bind_experts``)."""
         if groups.ep_size != self.ep_size:
             raise ValueError(f"expert groups for ep_size={groups.ep_size} given to a layer with ep_size={self.ep_size}")
         self._groups = groups
+        self.deepspeed_moe._set_ep_group(groups.expert_group if self.ep_size > 1 else None)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """DeepSpeed's call to create the expert groups: partita does it in ``initialize``
+        (``bind_experts``, from the topology), so this only checks that it happened."""
+        if use_data_before_expert_parallel_:
+            raise NotImplementedError("use_data_before_expert_parallel_=True: partita's expert groups follow the "
+                                      "topology (experts borrow data x sequence ranks); leave it False")
+        if self.ep_size > 1 and self._groups is None:
+            raise RuntimeError("MoE.set_deepspeed_parallelism: partita builds expert groups in partita.initialize() "
+                               "(or partita.moe.bind_experts(model, topology)); call that instead")
 
     @property
     def expert_rank(self) -> int:
@@ -154,55 +165,30 @@ class MoE(nn.Module):
 
     @property
     def local_expert_indices(self) -> list[int]:
-        """Global indices of the experts this rank holds, in local order."""
+        """Global indices of the experts this rank holds, in local order: ``deepspeed_experts[j]``
+        is global expert ``local_expert_indices[j]``."""
         first = self.expert_rank * self.num_local_experts
         return list(range(first, first + self.num_local_experts))
-
-    def _expert_group(self):
-        if self.ep_size == 1:
-            return None
-        if self._groups is None:
-            raise RuntimeError(
-                f"this MoE layer has ep_size={self.ep_size} but no expert groups: train it through "
-                "partita.initialize(), or call partita.moe.bind_experts(model, topology) on every rank first"
-            )
-        return self._groups.expert_group
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         """Returns ``(output, l_aux, exp_counts)`` as DeepSpeed's MoE; ``exp_counts`` (tokens
         routed to each expert on this rank, before dropping) stays on the device."""
-        if used_token is not None:
-            raise NotImplementedError("MoE(..., used_token=...) is not implemented yet in partita")
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE input's last dimension is {hidden_states.shape[-1]}, expected hidden_size={self.hidden_size}")
-        group = self._expert_group()
-        x = hidden_states.reshape(-1, self.hidden_size)
-        training = self.training
-        logits = self.gate.logits(x, jitter=training and self.noisy_gate_policy == "Jitter")
-        routing = route(
-            logits, k=self.k,
-            capacity_factor=self.capacity_factor if training else self.eval_capacity_factor,
-            min_capacity=self.min_capacity,
-            noisy_gate_policy=self.noisy_gate_policy if training else None,
-            drop_tokens=self.drop_tokens, use_rts=self.use_rts and training,
-            top2_2nd_expert_sampling=self.top2_2nd_expert_sampling and training,
-            drop_policy=self.drop_policy, router_z_loss_coef=self.router_z_loss_coef,
-        )
-        if self.drop_tokens:
-            capacity = routing.capacity if group is None else agree_capacity(routing.capacity, group, x.device)
-            out = capacity_dispatch(x, routing, self.experts, capacity=capacity, ep_size=self.ep_size, group=group)
-        else:
-            out = dropless_dispatch(x, routing, self.experts, ep_size=self.ep_size, group=group)
+        out = self.deepspeed_moe(hidden_states, used_token)
+        routing, self.deepspeed_moe.routing = self.deepspeed_moe.routing, None
         if self.shared_experts is not None:
+            x = hidden_states.reshape(-1, self.hidden_size)
             n = self.shared_experts.num_local
-            out = out + self.shared_experts.forward_padded(x.unsqueeze(0).expand(n, -1, -1)).sum(dim=0)
+            out = out + self.shared_experts.forward_padded(x.unsqueeze(0).expand(n, -1, -1)).sum(dim=0).reshape(out.shape)
         if self.use_residual:
-            dense = self.mlp.forward_padded(x.unsqueeze(0))[0]
-            coef = F.softmax(self.coefficient(x), dim=-1)
-            out = out * coef[:, 0:1] + dense * coef[:, 1:]
+            dense = self.mlp(hidden_states)
+            dense = dense[0] if isinstance(dense, tuple) else dense  # (output, bias) experts, as DeepSpeed
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            out = out * coef[..., 0:1] + dense * coef[..., 1:]
         self._record(routing)
-        return out.reshape(hidden_states.shape), routing.l_aux, routing.exp_counts
+        return out, routing.l_aux, routing.exp_counts
 
     # ------------------------------------------------------------------ monitoring
     def _record(self, routing: Routing) -> None:

@@ -1,16 +1,20 @@
 """Which parameters are expert parameters, owned by partita.moe (never an attribute on the
-parameter): a weak map from parameter to the MoE layer that owns it.
+parameter): a weak map from parameter to the MoE layer that owns it (and, for an MoE expert's
+parameter, which local expert it belongs to).
 
 DeepSpeed marks expert parameters with ``param.allreduce = False`` and ``param.group_name``;
-here the layer registers its stacked expert parameters at construction, and everything that
-must treat them differently asks this module:
+here the layer registers its experts' parameters at construction, and everything that must
+treat them differently asks this module:
 
 - :func:`is_moe_param` (DeepSpeed's function of the same name);
 - :func:`bind_experts` (called by ``partita.initialize``): gives every MoE layer its expert
   and expert-data groups from the topology and returns the ZeRO comm of each expert parameter
   (its expert-data group), so ZeRO reduces and shards them there;
-- checkpoints: :func:`expert_layout` says where a rank's local rows sit in the global
-  ``(num_experts, ...)`` tensor, so they are stored by global expert index.
+- checkpoints key experts by *global* expert index: :func:`checkpoint_name` renames local
+  expert ``j``'s parameter ``...deepspeed_experts.<j>.<leaf>`` to
+  ``...deepspeed_experts.<first + j>.<leaf>`` (``first`` = expert rank x local experts), the
+  name it has at ``ep_size`` 1, so a checkpoint saved at one ``ep_size`` loads at any other;
+  :func:`expert_names_elsewhere` names the experts other expert ranks hold.
 """
 
 from __future__ import annotations
@@ -28,29 +32,40 @@ if TYPE_CHECKING:
     from partita.distributed.topology import Topology
     from partita.moe.layer import MoE
 
-__all__ = ["ExpertLayout", "bind_experts", "expert_layout", "expert_piece_ranks", "expert_shard_of", "is_moe_param",
-           "moe_layers", "register_expert_params"]
+__all__ = ["bind_experts", "checkpoint_name", "checkpoint_renames", "expert_index", "expert_names_elsewhere",
+           "expert_piece_ranks", "expert_shard_of", "global_expert_names", "is_moe_param", "moe_layers",
+           "register_expert_params"]
+
+_EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
+
+
+@dataclass(frozen=True)
+class _Entry:
+    layer: nn.Module  # an MoE layer or a ShardedEmbedding
+    local_index: int | None  # the local expert of an MoE expert parameter
+
 
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_expert_params(layer: MoE, params: list[nn.Parameter]) -> None:
-    """Record ``params`` as expert parameters of ``layer`` (called by the layer itself)."""
+def register_expert_params(layer: nn.Module, params: list[nn.Parameter], *, local_index: int | None = None) -> None:
+    """Record ``params`` as expert parameters of ``layer`` (called by the layer itself), those
+    of its local expert ``local_index`` for an MoE layer."""
     for param in params:
-        _OWNER[param] = layer
+        _OWNER[param] = _Entry(layer, local_index)
 
 
 def owner_layer(param: torch.Tensor) -> MoE | None:
-    """The MoE layer whose experts hold ``param``, or None for a dense parameter."""
-    return _OWNER.get(param)
+    """The layer (MoE or ShardedEmbedding) whose experts hold ``param``, or None for a dense parameter."""
+    entry = _OWNER.get(param)
+    return None if entry is None else entry.layer
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
     """True for a parameter of an MoE layer's routed experts (DeepSpeed's ``is_moe_param``);
     False for a row-sharded embedding table, which shares only the expert-parallel machinery."""
-    from partita.moe.layer import MoE
-
-    return isinstance(_OWNER.get(param), MoE)
+    entry = _OWNER.get(param)
+    return entry is not None and entry.local_index is not None
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -60,30 +75,68 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
 
 
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where a rank's stacked expert parameter sits in the global one.
-
-    The local parameter holds experts ``first_expert .. first_expert + num_local - 1``: rows
-    of the global ``global_shape = (num_experts, *row_shape)`` tensor, i.e. the flat element
-    range ``[offset, offset + local numel)`` of it (rows are contiguous in row-major order).
-    """
-
-    global_shape: torch.Size
-    offset: int
-    num_experts: int
-    first_expert: int
-
-
-def expert_layout(param: torch.Tensor) -> ExpertLayout | None:
-    """The global layout of an expert parameter, None for a dense one (or a layer not bound
-    to a topology yet: then it holds every expert, ep_size 1)."""
-    layer = owner_layer(param)
-    if layer is None:
+def expert_index(param: torch.Tensor) -> int | None:
+    """The global expert index of an MoE expert parameter (None for any other): local expert
+    ``j`` of expert rank ``r`` is global expert ``r * num_local_experts + j``."""
+    entry = _OWNER.get(param)
+    if entry is None or entry.local_index is None:
         return None
-    first = layer.expert_rank * layer.num_local_experts
-    row = param.numel() // layer.num_local_experts
-    return ExpertLayout(torch.Size((layer.num_experts, *param.shape[1:])), first * row, layer.num_experts, first)
+    return entry.layer.expert_rank * entry.layer.num_local_experts + entry.local_index
+
+
+def _renamed(name: str, local_index: int, global_index: int) -> str:
+    head, sep, tail = name.rpartition(f"{_EXPERTS_KEY}{local_index}.")
+    if not sep:  # an expert module registered elsewhere too (tied into the model): keep its name
+        return name
+    return f"{head}{_EXPERTS_KEY}{global_index}.{tail}"
+
+
+def checkpoint_name(name: str, param: torch.Tensor) -> str:
+    """The name ``param`` (named ``name`` in its model) has in checkpoints: an MoE expert
+    parameter's local expert index replaced by its global one; any other name unchanged."""
+    entry = _OWNER.get(param)
+    if entry is None or entry.local_index is None:
+        return name
+    return _renamed(name, entry.local_index, expert_index(param))
+
+
+def global_expert_names(name: str, param: torch.Tensor) -> list[str]:
+    """The checkpoint names of this local expert slot on every expert rank, in expert-rank order
+    (``[name]`` for a parameter that is not an expert-parallel MoE expert's)."""
+    entry = _OWNER.get(param)
+    if entry is None or entry.local_index is None or entry.layer.ep_size == 1:
+        return [checkpoint_name(name, param)]
+    n = entry.layer.num_local_experts
+    return [_renamed(name, entry.local_index, r * n + entry.local_index) for r in range(entry.layer.ep_size)]
+
+
+def checkpoint_renames(module: nn.Module) -> dict[str, str]:
+    """``{model name: checkpoint name}`` for every parameter of ``module`` whose names differ."""
+    out = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        renamed = checkpoint_name(name, param)
+        if renamed != name:
+            out[name] = renamed
+    return out
+
+
+def expert_names_elsewhere(module: nn.Module) -> set[str]:
+    """Checkpoint names of the MoE experts that other expert ranks hold (a checkpoint records
+    every expert; this rank's model has its own only)."""
+    out: set[str] = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names = global_expert_names(name, param)
+        if len(names) > 1:
+            out.update(names)
+            out.discard(checkpoint_name(name, param))
+    return out
+
+
+def expert_parallel_keys(module: nn.Module) -> set[str]:
+    """Model names of MoE expert parameters spread over several expert ranks (ep_size > 1):
+    no rank holds every expert, so checkpoints store them through the fp32 master shards."""
+    return {name for name, param in module.named_parameters(remove_duplicate=False)
+            if len(global_expert_names(name, param)) > 1}
 
 
 def bind_experts(model: nn.Module, topology: Topology) -> dict[nn.Parameter, ShardComm]:
@@ -117,14 +170,16 @@ def bind_experts(model: nn.Module, topology: Topology) -> dict[nn.Parameter, Sha
 
 
 def expert_shard_of(param: torch.Tensor):
-    """An expert-parallel parameter as a dim-0 split of the global ``(num_experts, ...)`` tensor
-    (a :class:`~partita.tensor_parallel.layers.TensorShard` of ``size = ep_size``), so checkpoints
+    """A row-sharded embedding table (``ShardedEmbedding``) as a dim-0 split of the whole
+    ``(num_embeddings, dim)`` table (a :class:`~partita.tensor_parallel.layers.TensorShard` of
+    ``size = num_shards``), so checkpoints
     record and reshard it exactly like a row-split tensor-parallel weight
     (partita/checkpoint/tensor_layout.py, case 2: every piece is a contiguous run of rows). None
     for a dense parameter and for ``ep_size == 1`` (the local tensor is then the global one)."""
-    layer = owner_layer(param)
-    if layer is None or layer.ep_size == 1:
-        return None
+    entry = _OWNER.get(param)
+    if entry is None or entry.local_index is not None or entry.layer.ep_size == 1:
+        return None  # MoE experts are whole per-expert parameters, renamed instead (checkpoint_name)
+    layer = entry.layer
     from partita.tensor_parallel.layers import TensorShard
 
     group = layer._groups.expert_group if layer._groups is not None else None  # None before initialize binds it

@@ -1,0 +1,136 @@
+"""Local experts' parameters as rows of one stacked storage, and the expert GEMMs that read them.
+
+Each local expert is a real instance of the user's expert class (DeepSpeed's layout, see
+partita/moe/experts.py), but its parameters are *views*: parameter ``name`` of local expert
+``j`` is row ``j`` of one ``(num_local, *shape)`` tensor allocated for that name. So the
+grouped GEMM reads every expert's weight as one 3-D tensor with no per-forward copy, while
+autograd, ZeRO, the optimizer and checkpoints see ordinary per-expert leaf parameters.
+
+Why the GEMMs are autograd functions of their own (:func:`expert_linear`): gradients must
+reach each expert's parameter (a leaf), not a stacked tensor that is no parameter. The
+function takes the per-expert weights as inputs, builds the stacked view from them, and in
+backward returns one gradient row per expert (views of one stacked gradient, no copy). It
+saves the expert parameters themselves for backward, never a stacked tensor, so:
+
+- when the rows are no longer one storage (ZeRO-3 gives every parameter a storage of its own
+  and frees it between uses; ``load_state_dict(assign=True)``), the stacked weight is copied
+  together for the GEMM and dropped right after, in forward and again in backward: correct,
+  one copy of the layer's local expert weights each way, and no extra memory held from
+  forward to backward (ZeRO-3's freeing of the parameters is not defeated);
+- in every other case (plain torch, ZeRO 0-2, after ``.to()``/``.half()``, which re-stack the
+  rows: see ``Experts._apply``) the stacked weight is a view: no copy at all.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["allocate_rows", "expert_linear", "rows_view", "stack_params"]
+
+
+def allocate_rows(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One ``(n, *shape)`` storage filled with ``tensors`` (same shape, dtype, device); its rows.
+
+    Copies through ``copy_`` (an op ``partita.zero.Init``'s dispatch mode sees: a sharded
+    template parameter is gathered for the copy)."""
+    first = tensors[0]
+    stacked = torch.empty((len(tensors), *first.shape), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for row, tensor in zip(stacked, tensors):
+            row.copy_(tensor)
+    return list(stacked.unbind(0))
+
+
+def rows_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(tensors)`` as a view, when they are equally spaced rows of one storage
+    with equal strides (the layout :func:`allocate_rows` makes); None otherwise. No autograd."""
+    first = tensors[0]
+    if first.untyped_storage().nbytes() == 0:  # freed (ZeRO-3): no rows to view
+        return None
+    if len(tensors) == 1:
+        return first.detach().unsqueeze(0)
+    storage = first.untyped_storage()._cdata
+    step = tensors[1].storage_offset() - first.storage_offset()
+    if step < first.numel():  # overlapping or reversed rows are not a stack
+        return None
+    for j, tensor in enumerate(tensors):
+        if (tensor.untyped_storage()._cdata != storage or tensor.shape != first.shape or tensor.dtype != first.dtype
+                or tensor.stride() != first.stride() or tensor.storage_offset() != first.storage_offset() + j * step):
+            return None
+    return first.detach().as_strided((len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    view = rows_view(tensors)
+    return view if view is not None else torch.stack([t.detach() for t in tensors])
+
+
+class _StackParams(torch.autograd.Function):
+    """``torch.stack`` of per-expert parameters that is a view when they are rows of one storage
+    (biases: what reads it saves nothing of it); the gradient goes back row by row."""
+
+    @staticmethod
+    def forward(ctx, *params: torch.Tensor) -> torch.Tensor:
+        return _stacked(params)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return tuple(grad.unbind(0))
+
+
+def stack_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Differentiable ``(n, *shape)`` stack of ``params`` (a view of their storage when it can be)."""
+    return _StackParams.apply(*params)
+
+
+def _grouped_mm():
+    return getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+class _ExpertLinear(torch.autograd.Function):
+    """``y = x @ W_j^T`` per expert, with ``W`` the stacked weights of ``n`` experts.
+
+    Grouped: ``x`` is ``(rows, in)`` sorted by expert, ``offs`` the int32 cumulative row counts
+    (torch's grouped matmul). Batched: ``x`` is ``(n, tokens, in)``, ``offs`` None (``bmm``).
+    Saves ``x`` and the expert parameters, never the stacked weight (see the module docstring).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
+        w = _stacked(weights)  # (n, out, in)
+        ctx.save_for_backward(x, offs, *weights)
+        if offs is None:
+            return torch.bmm(x, w.transpose(1, 2))
+        return _grouped_mm()(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, offs, *weights = ctx.saved_tensors
+        grad = grad.contiguous()  # grouped_mm rejects the stride-0 gradients of sum() / expand()
+        w = _stacked(weights)
+        grad_x = grad_w = None
+        if offs is None:
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.bmm(grad, w)
+            if any(ctx.needs_input_grad[2:]):
+                grad_w = torch.bmm(grad.transpose(1, 2), x)
+        else:
+            mm = _grouped_mm()
+            if ctx.needs_input_grad[0]:
+                grad_x = mm(grad, w, offs=offs)
+            if any(ctx.needs_input_grad[2:]):
+                # (out, rows) x (rows, in) split along rows: one (out, in) gradient per expert,
+                # zeros for an expert without rows.
+                grad_w = mm(grad.t(), x, offs=offs)
+        del w
+        rows = grad_w.unbind(0) if grad_w is not None else (None,) * len(weights)
+        return (grad_x, None, *rows)
+
+
+def expert_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert ``F.linear`` without bias over ``weights`` (one ``(out, in)`` per expert): grouped
+    rows with ``offs``, or a batched ``(n, tokens, in)`` input without."""
+    return _ExpertLinear.apply(x, offs, *weights)
