@@ -291,8 +291,11 @@ def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[Imp
     counters = {"global_steps": int(model_states.get("global_steps", 0)),
                 "global_samples": int(model_states.get("global_samples", 0)),
                 "skipped_steps": int(model_states.get("skipped_steps", 0))}
-    # partita counts micro-batches too; at a step boundary it is steps x accumulation.
-    counters["micro_steps"] = counters["global_steps"] * int(config.get("gradient_accumulation_steps", 1) or 1)
+    # 0, as DeepSpeed's own resume (it never restores its micro-step counter): the engine finds
+    # accumulation boundaries by micro_steps % accumulation, so steps x DeepSpeed's accumulation
+    # would misplace them in a run resumed with another accumulation (same global batch, other
+    # world size).
+    counters["micro_steps"] = 0
     trained = next(iter(params_meta), None)
     precision = str(module[trained].dtype if trained else torch.float32).replace("torch.", "")
     scheduler = model_states.get("lr_scheduler")
