@@ -134,7 +134,9 @@ def initialize(
     _place_model(model, device=device, dtype=compute_dtype, topology=topology, stage=cfg.zero_optimization.stage,
                  expert_comms=expert_comms)
     prepare_pipeline(model, cfg, topology)  # a PipelineModule: refusals, config checks, tied-weight broadcast
-    apply_sequence_parallel(model, topology, cfg.sequence_parallel)  # sequence_parallel_size > 1: split each sequence
+    # sequence_parallel_size > 1: split each sequence (a pipeline stage may hold no attention: prepare_pipeline
+    # checked the stages together)
+    apply_sequence_parallel(model, topology, cfg.sequence_parallel, require_attention=not isinstance(model, PipelineModule))
     apply_sparse_attention_config(model, cfg.sparse_attention, sequence_parallel_size=topology.sequence_size)
     apply_sequence_tiling(model, cfg.sequence_tiling, tensor_parallel_size=topology.tensor_size)  # before checkpointing
     # Before ZeRO (whose stage 3 will hook modules): blocks keep identity and state_dict keys.
@@ -339,6 +341,9 @@ def _build_dataloader(training_data, collate_fn, micro_batch: int, topology: Top
         shuffle=True,
         seed=cfg.seed or 0,
         drop_last=True,
+        # DeepSpeed's loader: the order changes only when the client calls sampler.set_epoch
+        # (its DeepSpeedExamples never do, so every epoch repeats the first one's order).
+        advance_epochs=False,
     )
     return torch.utils.data.DataLoader(
         training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=True

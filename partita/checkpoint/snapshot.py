@@ -24,7 +24,8 @@ from partita.checkpoint.state_layout import StateLayout, block_range, classify_s
 from partita.checkpoint.tensor_layout import tensor_param_record
 from partita.data.sampler import ResumableDistributedSampler
 from partita.distributed.topology import Axis
-from partita.moe.registry import expert_ep_size, expert_piece_ranks, expert_shard_of
+from partita.moe.registry import (checkpoint_name, expert_ep_size, expert_names_elsewhere, expert_parallel_keys,
+                                  expert_piece_ranks, expert_shard_of, global_expert_names)
 from partita.tensor_parallel.layers import tensor_shard_of
 from partita.zero.partition import ShardSpec
 
@@ -57,8 +58,15 @@ class Snapshot:
 
 
 def param_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    """Each parameter's state_dict name (the first one, for a tied parameter)."""
-    return {p: name for name, p in module.named_parameters()}
+    """Each parameter's checkpoint name: its state_dict name (the first one, for a tied
+    parameter), with an MoE expert's local index replaced by its global one (partita/moe/registry.py)."""
+    return {p: checkpoint_name(name, p) for name, p in module.named_parameters()}
+
+
+def checkpoint_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` under checkpoint names (MoE experts by global index)."""
+    renamed = {name: checkpoint_name(name, p) for name, p in module.named_parameters(remove_duplicate=False)}
+    return {renamed.get(k, k): v for k, v in module.state_dict().items()}
 
 
 def sharded_param_keys(engine: Engine) -> set[str]:
@@ -70,7 +78,8 @@ def sharded_param_keys(engine: Engine) -> set[str]:
     gatherer = getattr(engine.zero, "gatherer", None)
     if gatherer is None:
         return set()
-    return {name for name, p in engine.module.named_parameters(remove_duplicate=False) if gatherer.is_sharded_param(p)}
+    return {checkpoint_name(name, p) for name, p in engine.module.named_parameters(remove_duplicate=False)
+            if gatherer.is_sharded_param(p)}
 
 
 def dedupe_state_dict(
@@ -85,7 +94,7 @@ def dedupe_state_dict(
     """
     owners: dict[str, int] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        owners[name] = id(param)
+        owners[checkpoint_name(name, param)] = id(param)
     for name, buffer in module.named_buffers(remove_duplicate=False):
         if buffer is not None:
             owners[name] = id(buffer)
@@ -128,10 +137,12 @@ def split_of(param: torch.Tensor):
 
 
 def tensor_sharded_keys(module: torch.nn.Module) -> set[str]:
-    """state_dict keys of tensor-parallel shards and expert-parallel experts: checkpointed as fp32
-    master pieces, with their whole shape (:mod:`partita.checkpoint.tensor_layout`), not in the
-    model file."""
-    return {name for name, p in module.named_parameters(remove_duplicate=False) if split_of(p) is not None}
+    """Checkpoint keys of tensor-parallel shards, row-sharded embeddings and expert-parallel MoE
+    experts: checkpointed as fp32 master pieces (with their whole shape,
+    :mod:`partita.checkpoint.tensor_layout`), not in the model file. Experts: this rank's only."""
+    experts = expert_parallel_keys(module)
+    return {checkpoint_name(name, p) for name, p in module.named_parameters(remove_duplicate=False)
+            if split_of(p) is not None or name in experts}
 
 
 def tensor_rank_files(engine: Engine, tensor_rank: int) -> list[str]:
@@ -250,7 +261,9 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
     from partita.checkpoint.frozen import frozen_meta
 
     sink: dict[str, torch.Tensor] = {}
-    full_state = engine.module.state_dict()
+    full_state = checkpoint_state_dict(engine.module)
+    # Expert-parallel MoE experts held by other expert ranks: recorded (keys, masters) by global index too.
+    elsewhere = sorted(expert_names_elsewhere(engine.module))
     # Non-tensor entries come from modules' get_extra_state(); they go to meta.json as JSON.
     extra = {k: v for k, v in full_state.items() if not torch.is_tensor(v)}
     unique, aliases = dedupe_state_dict(engine.module, {k: v for k, v in full_state.items() if torch.is_tensor(v)})
@@ -266,7 +279,10 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
         "partita_version": partita.__version__,
         "torch_version": torch.__version__,
         "world_size": dist.get_world_size(),
-        "data_parallel_size": engine.topology.zero_size,
+        # Ranks that read different samples (the batch arithmetic's), not ZeRO's data x sequence:
+        # sequence ranks read the same samples, so resuming an SP run must not see a changed batch.
+        "data_parallel_size": engine.topology.data_size,
+        "sequence_parallel_size": engine.topology.sequence_size,
         "tensor_parallel_size": engine.topology.tensor_size,
         "zero_stage": engine.zero.policy.stage,
         "precision": str(engine.compute_dtype).replace("torch.", ""),
@@ -279,10 +295,10 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
         "config": encode(engine.config.to_dict() if engine.config is not None else {}, path="config", sink=sink),
         "model": {
             "file": model_file,
-            "keys": list(full_state.keys()),
+            "keys": list(full_state.keys()) + elsewhere,
             "aliases": aliases,
             "extra_state": {k: encode(v, path=f"model[{k!r}]", sink=sink) for k, v in extra.items()},
-            "sharded_keys": sorted(k for k in unique if k in sharded),
+            "sharded_keys": sorted(k for k in unique if k in sharded) + elsewhere,
             "frozen_shards": frozen_meta(engine, names),
             "tensors": {k: {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)} for k, v in model_state.items()},
         },
@@ -303,13 +319,14 @@ def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: 
     optimizer = engine.optimizer
     inner = optimizer.inner
     groups, params = [], {}
+    local_names = {p: n for n, p in engine.module.named_parameters()}
     for g, group in enumerate(optimizer.groups):
         state = inner.state.get(group.master, {})
         kinds = classify_state(state, group.master)
         hyper = {k: v for k, v in inner.param_groups[g].items() if k != "params"}
         groups.append(
             {
-                "params": [names[p] for p in group.params],
+                "params": [n for p in group.params for n in global_expert_names(local_names[p], p)],
                 "source": group.source_index,  # the user's param group (ratio < 1 splits one in two)
                 "hyperparameters": encode(hyper, path=f"optimizer/group{g}/hyperparameters", sink=sink),
                 "partition_state": list(kinds.element),
@@ -322,6 +339,15 @@ def _optimizer_meta(engine: Engine, names: dict[torch.nn.Parameter, str], sink: 
             }
         )
         for param, spec in zip(group.params, group.layout.specs):
+            experts = global_expert_names(local_names[param], param)
+            if len(experts) > 1:
+                # An expert-parallel MoE expert: the same local slot on every expert rank is one
+                # global expert each, with the same ZeRO layout, in that expert rank's files.
+                for expert_rank, name in enumerate(experts):
+                    params[name] = {"group": g, "shape": list(spec.shape), "numel": spec.numel,
+                                    "dtype": str(param.dtype).replace("torch.", ""),
+                                    "shards": _ranges(spec, group.layout.num_shards, piece_files(engine, param, expert_rank))}
+                continue
             tensor_shard = split_of(param)
             if tensor_shard is not None:
                 params[names[param]] = {

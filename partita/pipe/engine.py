@@ -38,6 +38,7 @@ from partita.engine import Engine
 from partita.pipe.bubble import BubbleTimer
 from partita.pipe.failure import FailureReporter
 from partita.pipe.module import PipelineModule
+from partita.pipe.sequence import SequenceSlices
 from partita.pipe.setup import norm_group
 from partita.pipe.schedule import ScaledLoss, build_schedule, build_stages, check_micro_batches
 from partita.tensor_containers import map_tensors
@@ -76,7 +77,11 @@ class PipelineEngine(Engine):
         # A stage that fails ends every stage at once, naming itself (partita/pipe/failure.py).
         self._failures = FailureReporter(stage=module.stage_id, rank=topology.rank, device=self.device)
         self._stages = build_stages(module, device=self.device, group=topology.pipe_group)
-        self._loss = ScaledLoss(module.loss_fn, self.micro_batches)
+        # Sequence parallelism: this rank's slice of each sequence, and the loss over the sequence group.
+        self._slices = SequenceSlices(rank=topology.sequence_rank, size=topology.sequence_size,
+                                      group=topology.sequence_group, mode=config.sequence_parallel.mode
+                                      ) if topology.sequence_size > 1 else None
+        self._loss = ScaledLoss(module.loss_fn, self.micro_batches, self._slices)
         measure = pipeline.measure_bubble if pipeline.measure_bubble is not None else self.device.type != "cuda"
         # Idle time per stage (partita/pipe/bubble.py); None when pipeline.measure_bubble is off.
         self._bubble = BubbleTimer(stage_id=module.stage_id, num_stages=module.num_stages,
@@ -96,7 +101,8 @@ class PipelineEngine(Engine):
         if group is not None:
             self.optimizer.count_norm_across(group, uncounted_params=module.uncounted_in_norm(),
                                              covers_tensor_group=topology.tensor_size > 1)
-        self._batch_checked = topology.tensor_size == 1  # tensor ranks must read the same batch: checked once
+        # Tensor and sequence ranks must read the same samples: checked once, at the first batch.
+        self._batch_checked = topology.tensor_size == 1 and topology.sequence_size == 1
         self._data_iterator: Iterator | None = (
             _repeat(self.training_dataloader) if self.training_dataloader is not None else None
         )
@@ -135,6 +141,7 @@ class PipelineEngine(Engine):
         with self._failures.guard("train_batch"):
             if not self._batch_checked:
                 self._check_same_batch(args, target)
+            args, target = self._sequence_slices(args, target)
             with self._step_log.timer("pipeline_schedule"):
                 if self._bubble is not None:
                     self._bubble.run(lambda: self._run(self._train_schedule, args, target))
@@ -168,11 +175,12 @@ class PipelineEngine(Engine):
         try:
             args, target = self._read_agreed(data_iter, "eval_batch")
             with torch.no_grad(), self._failures.guard("eval_batch"):
+                args, target = self._sequence_slices(args, target)
                 outputs = self._eval_schedule().step(*args)
                 losses = []
                 if compute_loss and self.is_last_stage():
                     for out, tgt in zip(_split(outputs, self.micro_batches), torch.tensor_split(target, self.micro_batches)):
-                        losses.append(self.module.loss_fn(out, tgt).detach().float().reshape(()))
+                        losses.append(self._loss.unscaled(out, tgt).detach().float().reshape(()))
                 loss = self._mean_loss(losses, reduce_output=reduce_output) if compute_loss else outputs
         finally:
             self.module.train(was_training)
@@ -234,24 +242,36 @@ class PipelineEngine(Engine):
         return args, target
 
     def _check_same_batch(self, args: tuple, target: torch.Tensor | None) -> None:
-        """Tensor parallelism: every tensor rank of a stage must compute on the same micro-batches
-        (they hold parts of the same layers). Checked once, at the first batch, from a digest of
-        the inputs and labels this rank read (sums and sizes), over the tensor group."""
+        """Tensor and sequence parallelism: every tensor rank and every sequence rank of a stage must
+        compute on the same micro-batches (they hold parts of the same layers, or slices of the same
+        sequences). Checked once, at the first batch, from a digest of the inputs and labels this
+        rank read (sums and sizes), over the tensor group, then the sequence group."""
         self._batch_checked = True
         tensors = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
         digest = torch.tensor([float(t.detach().double().sum()) for t in tensors] + [float(sum(t.numel() for t in tensors))],
                               dtype=torch.float64, device=self.device)
-        size = self.topology.tensor_size
-        gathered = torch.empty(size * digest.numel(), dtype=torch.float64, device=self.device)
-        collectives.all_gather_into_tensor(gathered, digest, group=self.topology.tensor_group,
-                                           purpose="pipeline: the tensor ranks' first batch digest")
-        rows = gathered.view(size, -1)
-        if not all(torch.equal(row, rows[0]) for row in rows):
-            raise ValueError(
-                f"tensor parallelism: the tensor ranks of stage {self.stage_id} read different micro-batches at the first "
-                "train_batch; every tensor rank must get the same samples: shard the data by engine.topology.data_rank "
-                "/ data_size, not by the global rank"
-            )
+        topology = self.topology
+        for axis, size, group in (("tensor", topology.tensor_size, topology.tensor_group),
+                                  ("sequence", topology.sequence_size, topology.sequence_group)):
+            if size == 1:
+                continue
+            gathered = torch.empty(size * digest.numel(), dtype=torch.float64, device=self.device)
+            collectives.all_gather_into_tensor(gathered, digest, group=group,
+                                               purpose=f"pipeline: the {axis} ranks' first batch digest")
+            rows = gathered.view(size, -1)
+            if not all(torch.equal(row, rows[0]) for row in rows):
+                raise ValueError(
+                    f"{axis} parallelism: the {axis} ranks of stage {self.stage_id} read different micro-batches at the "
+                    f"first train_batch; every {axis} rank must get the same samples: shard the data by "
+                    "engine.topology.data_rank / data_size, not by the global rank"
+                )
+
+    def _sequence_slices(self, args: tuple, target: torch.Tensor | None) -> tuple[tuple, torch.Tensor | None]:
+        """With sequence parallelism, this rank's tokens of the inputs and labels it read
+        (:mod:`partita.pipe.sequence`); unchanged otherwise."""
+        if self._slices is None:
+            return args, target
+        return self._slices.cut_inputs(args), self._slices.cut_labels(target)
 
     def _run(self, schedule: Any, args: tuple, target: torch.Tensor | None) -> Any:
         kwargs: dict[str, Any] = {}

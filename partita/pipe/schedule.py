@@ -38,6 +38,7 @@ from torch.distributed.pipelining import (
 
 from partita.config.base import ConfigError
 from partita.pipe.module import PipelineModule
+from partita.pipe.sequence import SequenceSlices
 
 __all__ = ["ScaledLoss", "build_stages", "build_schedule", "check_micro_batches"]
 
@@ -49,20 +50,29 @@ class ScaledLoss:
     """The loss function the schedule calls per micro-batch on the last stage.
 
     Returns ``loss_fn(output, target) * loss_scale / micro_batches`` for backward and keeps each
-    micro-batch's unscaled loss (detached, fp32) for ``train_batch``'s return value.
+    micro-batch's unscaled loss (detached, fp32) for ``train_batch``'s return value. With sequence
+    parallelism (``slices``) the loss of a slice becomes the mean over the whole sequence group's
+    tokens (:mod:`partita.pipe.sequence`).
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int) -> None:
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], micro_batches: int,
+                 slices: SequenceSlices | None = None) -> None:
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
+        self.slices = slices
         self.loss_scale = 1.0
         self.losses: list[torch.Tensor] = []
 
-    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+    def unscaled(self, output: Any, target: Any) -> torch.Tensor:
+        """The micro-batch's loss as ``train_batch`` and ``eval_batch`` report it."""
         loss = self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"the PipelineModule's loss_fn must return a scalar tensor, got {shape}; reduce it with .mean()")
+        return self.slices.group_mean(loss, target) if self.slices is not None else loss
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.unscaled(output, target)
         self.losses.append(loss.detach().float().reshape(()))
         return loss.float() * (self.loss_scale / self.micro_batches)
 

@@ -12,6 +12,9 @@ from partita.config.base import ConfigError
 from partita.distributed import collectives
 from partita.distributed.topology import Topology
 from partita.pipe.module import PipelineModule
+from partita.sequence.apply import has_sequence_attention
+from partita.sequence.layer import DistributedAttention
+from partita.sequence.ring import RingAttention
 
 __all__ = ["norm_group", "pipe_size_for", "prepare_pipeline"]
 
@@ -52,10 +55,7 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
             "group) or 1; the pipeline already splits the parameters across stages"
         )
     if topology.sequence_size > 1:
-        raise NotImplementedError(
-            f"pipeline parallelism with sequence parallelism (sequence_parallel_size={topology.sequence_size}) is not "
-            "implemented yet: use pipe x tensor x data (sequence_parallel_size 1)"
-        )
+        _check_sequence_attention(model, cfg, topology)
     if cfg.tensor_parallel.sequence_parallel and topology.tensor_size > 1:
         raise NotImplementedError(
             "tensor_parallel.sequence_parallel with pipeline parallelism is not implemented yet (stages would pass "
@@ -91,6 +91,41 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
                 for tensor in list(tied.module.parameters()) + list(tied.module.buffers()):
                     collectives.broadcast(tensor.data, src=tied.src_rank, group=tied.group,
                                           purpose=f"tied-layer {tied.key!r} weight broadcast")
+
+
+def _check_sequence_attention(model: PipelineModule, cfg: Any, topology: Topology) -> None:
+    """Sequence parallelism needs attention that sees whole sequences, in the layout the engine cuts
+    the inputs in (partita/pipe/sequence.py: contiguous slices for ``sequence_parallel.mode``
+    "ulysses", the two-chunk balanced layout for "ring"). Some stage must hold a DistributedAttention
+    or RingAttention layer (a stage holding only an embedding or a head is fine), and every such
+    layer must expect that layout. Each stage checks its own layers; the verdicts are summed over the
+    pipe group, so every stage raises together instead of one stage leaving the others waiting."""
+    mode = cfg.sequence_parallel.mode
+    layout = "balanced" if mode == "ring" else "contiguous"
+    problems = []
+    for name, module in model.named_modules():
+        if isinstance(module, RingAttention) and module.layout != layout:
+            problems.append(f"{name} is RingAttention(layout={module.layout!r})")
+        if isinstance(module, DistributedAttention) and layout != "contiguous":
+            problems.append(f"{name} is DistributedAttention (Ulysses needs contiguous slices)")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(topology.pipe_group) == "nccl" else "cpu"
+    verdict = torch.tensor([1.0 if has_sequence_attention(model) else 0.0, float(len(problems))], device=device)
+    collectives.all_reduce(verdict, group=topology.pipe_group, purpose="pipeline: the stages' sequence-parallel attention")
+    if verdict[1].item() > 0:
+        mine = "; ".join(problems) if problems else "another stage's layers do"
+        raise ValueError(
+            f"sequence_parallel.mode={mode!r} makes the pipeline cut every sequence into {layout} slices, but {mine}: "
+            "use RingAttention(layout=\"balanced\") with mode \"ring\", or DistributedAttention / "
+            "RingAttention(layout=\"contiguous\") with mode \"ulysses\""
+        )
+    if verdict[0].item() == 0:
+        raise NotImplementedError(
+            f"sequence_parallel_size={topology.sequence_size} with a PipelineModule that holds no "
+            "partita.sequence.layer.DistributedAttention or partita.sequence.RingAttention layer on any stage: its "
+            "attention would see only this rank's slice of each sequence. Build the attention with "
+            "DistributedAttention(local_attention, sequence_process_group=None) or RingAttention(None) (bound at "
+            "initialize), or set sequence_parallel_size to 1"
+        )
 
 
 def norm_group(topology: Topology) -> Any:

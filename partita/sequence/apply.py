@@ -38,7 +38,7 @@ from partita.sequence.layer import DistributedAttention
 from partita.sequence.ring import RingAttention, ring_attention
 from partita.sequence.sharding import Layout, check_sequence_length, local_positions, shard_sequence
 
-__all__ = ["SequenceParallelLoss", "apply_sequence_parallel"]
+__all__ = ["SequenceParallelLoss", "apply_sequence_parallel", "has_sequence_attention"]
 
 
 class SequenceParallelLoss(nn.Module):
@@ -62,10 +62,13 @@ class SequenceParallelLoss(nn.Module):
         return sequence_token_mean(loss_sum, count, group=self.group)
 
 
-def apply_sequence_parallel(model: nn.Module, topology: Topology, config: SequenceParallelConfig) -> None:
+def apply_sequence_parallel(model: nn.Module, topology: Topology, config: SequenceParallelConfig, *,
+                            require_attention: bool = True) -> None:
     """Make ``model`` train with each sequence split over ``topology.sequence_group``; a no-op when
     the sequence axis has size 1. Raises ValueError for a head count Ulysses cannot split and
-    NotImplementedError for a model partita cannot wire."""
+    NotImplementedError for a model partita cannot wire. ``require_attention=False``: this rank's
+    part of the model may hold no attention layer (a pipeline stage; the pipeline checks the
+    stages together, partita/pipe/setup.py)."""
     if topology.sequence_size == 1:
         return
     group = topology.sequence_group
@@ -78,7 +81,7 @@ def apply_sequence_parallel(model: nn.Module, topology: Topology, config: Sequen
 
     if isinstance(model, GPT):
         _wire_gpt(model, topology, config)
-    elif bound == 0 and not any(isinstance(m, (DistributedAttention, RingAttention)) for m in model.modules()):
+    elif require_attention and not has_sequence_attention(model):
         raise NotImplementedError(
             f"sequence_parallel_size={topology.sequence_size}: partita wires its reference GPT itself; "
             f"{type(model).__name__} has no partita.sequence.layer.DistributedAttention or "
@@ -87,6 +90,11 @@ def apply_sequence_parallel(model: nn.Module, topology: Topology, config: Sequen
             "(bound at initialize), cut inputs with partita.sequence.shard_sequence and average the loss with "
             "partita.sequence.token_weighted_cross_entropy; or set sequence_parallel_size to 1"
         )
+
+
+def has_sequence_attention(model: nn.Module) -> bool:
+    """Whether ``model`` holds a sequence-parallel attention layer (bound or not)."""
+    return any(isinstance(m, (DistributedAttention, RingAttention)) for m in model.modules())
 
 
 def _group_of(module: nn.Module) -> Any:
