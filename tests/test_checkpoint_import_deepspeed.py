@@ -160,3 +160,207 @@ def test_resume_on_one_rank_equals_deepspeeds_resume(imported):
     paths = [str(imported[s].parent) for s in STAGES]
     records = run_distributed(_resume, 1, paths, [0, 3, 3, 0], 4, 2, timeout=600)[0]
     _check_resumed(records, "world 1")
+
+
+# ---------------------------------------------------------------------------- names that differ
+
+
+def _wrapped_resume(plain: str, renamed: str) -> dict:
+    """World 1: a model whose keys carry a prefix refuses the plain import and takes the renamed one."""
+    import partita
+    from partita.checkpoint.errors import CheckpointMismatchError
+
+    model = torch.nn.Sequential(TinyNet())
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
+    config = {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+              "scheduler": {"type": "WarmupLR", "params": dict(WARMUP)}, "steps_per_print": 1000}
+    engine, _, _, _ = partita.initialize(model=model, optimizer=optimizer, config=config)
+    try:
+        engine.load_checkpoint(plain)
+        refused = None
+    except CheckpointMismatchError as error:
+        refused = str(error)
+    engine.load_checkpoint(renamed)
+    return {"refused": refused, "steps": engine.global_steps,
+            "weight": model[0].fc2.weight.detach().reshape(-1).clone(), "lr": engine.get_lr()[0]}
+
+
+def test_mismatched_names_are_refused_and_rename_fixes_them(imported, tmp_path):
+    renamed = import_deepspeed(FIXTURES / "zero2", tmp_path / "renamed", rename={"": "0."})
+    meta = json.loads((renamed / "meta.json").read_text())
+    assert sorted(meta["optimizer"]["params"]) == ["0.fc1.bias", "0.fc1.weight", "0.fc2.bias", "0.fc2.weight"]
+    (result,) = run_distributed(_wrapped_resume, 1, str(imported["2"].parent), str(renamed.parent), timeout=300)
+    assert result["refused"] == (
+        "the checkpoint's model does not match this model: missing in the checkpoint: 0.scale, 0.fc1.weight, "
+        "0.fc1.bias, 0.fc2.weight, 0.fc2.bias; not in this model: scale, fc1.weight, fc1.bias, fc2.weight, fc2.bias; "
+        "pass load_module_strict=False to load the keys both have"
+    )
+    assert result["steps"] == 3
+    assert torch.equal(result["weight"], torch.tensor(EXPECTED["stages"]["2"]["saved"]["params"]["fc2.weight"]))
+    assert result["lr"] == pytest.approx(EXPECTED["stages"]["2"]["saved"]["lr_next"], rel=1e-12)
+
+
+def test_rename_that_merges_names_is_refused(tmp_path):
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(FIXTURES / "zero1", tmp_path / "out", rename={"fc1.": "x.", "fc2.": "x."})
+    assert str(error.value) == (
+        "rename {'fc1.': 'x.', 'fc2.': 'x.'} maps several keys to ['x.bias', 'x.weight']; give prefixes that keep "
+        "names distinct"
+    )
+
+
+# ---------------------------------------------------------------------------- tags and files
+
+
+def _copy_fixture(stage: str, root: Path) -> Path:
+    target = root / f"ds{stage}"
+    shutil.copytree(FIXTURES / f"zero{stage}", target)
+    return target
+
+
+def test_latest_is_honoured_and_tag_picks_another(tmp_path):
+    ds = _copy_fixture("1", tmp_path)
+    shutil.copytree(ds / TAG, ds / "older")
+    (ds / "latest").write_text("older")
+    assert import_deepspeed(ds, tmp_path / "out").name == "older"
+    assert (tmp_path / "out" / "latest").read_text().strip() == "older"
+    out = import_deepspeed(ds, tmp_path / "out", tag=TAG, out_tag="picked")
+    assert out.name == "picked" and (tmp_path / "out" / "latest").read_text().strip() == "picked"
+    assert import_deepspeed(ds / TAG, tmp_path / "direct").name == TAG  # a tag directory itself
+
+
+def test_missing_tag_and_missing_latest_are_refused(tmp_path):
+    ds = _copy_fixture("2", tmp_path)
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(ds, tmp_path / "out", tag="global_step9")
+    assert str(error.value) == f"{ds} has no tag 'global_step9' (tags there: {TAG}); pass one of them with --tag"
+    (ds / "latest").unlink()
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == f"{ds} has no 'latest' file and is not a tag directory; pass --tag ({TAG})"
+    (ds / "latest").write_text("global_step7")
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == (
+        f"{ds / 'latest'} names tag 'global_step7', which is not a directory in {ds}; pass an existing tag with --tag")
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(tmp_path / "nowhere", tmp_path / "out")
+    assert str(error.value) == f"{tmp_path / 'nowhere'} does not exist or is not a directory; pass DeepSpeed's save_dir"
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_rank_file_is_refused(tmp_path):
+    ds = _copy_fixture("3", tmp_path)
+    (ds / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == (
+        f"{ds / TAG} was saved by 2 data-parallel ranks but holds the optimizer files of ranks [0]; copy every rank's "
+        "zero_pp_rank_<r>_mp_rank_00_optim_states.pt into the tag directory"
+    )
+
+
+def test_model_parallel_checkpoint_is_not_implemented(tmp_path):
+    ds = _copy_fixture("1", tmp_path)
+    shutil.copy(ds / TAG / "mp_rank_00_model_states.pt", ds / TAG / "mp_rank_01_model_states.pt")
+    with pytest.raises(NotImplementedError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == (
+        f"{ds / TAG} is a tensor/model-parallel DeepSpeed checkpoint (model-parallel ranks [0, 1]); the importer reads "
+        "checkpoints with one model-parallel rank (mp_rank_00) only. Convert it with DeepSpeed's ds_to_universal.py or "
+        "zero_to_fp32.py into whole weights first"
+    )
+
+
+# ---------------------------------------------------------------------------- unpickling
+
+
+class _RunsCode:
+    """Unpickling this would run a shell command (the attack weights_only=True prevents)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_unknown_pickled_global_is_refused_by_name(tmp_path):
+    import argparse
+
+    ds = _copy_fixture("0", tmp_path)
+    path = ds / TAG / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == (
+        f"{path} holds the pickled global argparse.Namespace, which partita does not unpickle: the importer rebuilds "
+        "only tensors, plain containers and DeepSpeed's LossScaler, DynamicLossScaler, ZeroStageEnum, "
+        "fragment_address, so a file cannot run code. Save that object in a plain form (numbers, strings, lists, "
+        "dicts, tensors), e.g. in the client_state passed to save_checkpoint, and save again"
+    )
+    marker = tmp_path / "ran"
+    torch.save({**state, "payload": _RunsCode(marker)}, path)
+    with pytest.raises(DeepSpeedImportError, match=r"holds the pickled global (posix|os)\.system, which partita"):
+        import_deepspeed(ds, tmp_path / "out")
+    assert not marker.exists()
+
+
+def test_deepspeed_classes_load_as_inert_stand_ins():
+    """The allow-listed DeepSpeed classes come back as stand-ins holding the pickled attributes."""
+    from partita.checkpoint.import_deepspeed_read import FragmentAddress, LossScaler, ZeroStageEnum, safe_load
+
+    state = safe_load(FIXTURES / "zero2" / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert type(state["loss_scaler"]) is LossScaler and vars(state["loss_scaler"]) == {"cur_scale": 1.0, "dynamic": False}
+    assert state["zero_stage"] is ZeroStageEnum.gradients
+    assert state["param_slice_mappings"][0]["fc2.weight"] == FragmentAddress(numel=33, start=21)
+    assert state["group_paddings"] == [2, 2]
+
+
+# ---------------------------------------------------------------------------- ZeRO 0's names
+
+
+def test_stage0_names_follow_the_module_and_ambiguity_is_refused():
+    from partita.checkpoint.import_deepspeed_state import stage0_names
+
+    module = {"a": torch.zeros(3), "b": torch.zeros(3), "w": torch.zeros(2, 3)}
+    state = {0: {"exp_avg": torch.zeros(2, 3)}, 1: {"exp_avg": torch.zeros(3)}, 2: {"exp_avg": torch.zeros(3)}}
+    assert stage0_names(module, [], [{"params": [0]}, {"params": [1, 2]}], state) == [["w"], ["a", "b"]]
+    with pytest.raises(DeepSpeedImportError) as error:
+        stage0_names(module, [], [{"params": [1]}, {"params": [2]}], state)
+    assert str(error.value) == (
+        "a ZeRO-0 DeepSpeed checkpoint does not record which parameter each optimizer entry belongs to, and several "
+        "assignments match the saved shapes (2 param groups of [1, 1] parameters over the module's 3); pass the names "
+        "with import_deepspeed(..., stage0_param_names=[[names of group 0], ...]) or --param-names FILE (a JSON list "
+        "of lists), in the order given to the optimizer"
+    )
+
+
+def test_stage0_param_names_given(tmp_path):
+    names = [["fc1.weight", "fc2.weight"], ["fc1.bias", "fc2.bias"]]
+    out = import_deepspeed(FIXTURES / "zero0", tmp_path / "out", stage0_param_names=names)
+    rank = load_file(str(out / "rank00000.safetensors"))
+    assert torch.equal(rank["master/fc2.bias"], torch.tensor(EXPECTED["stages"]["0"]["saved"]["params"]["fc2.bias"]))
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(FIXTURES / "zero0", tmp_path / "out", stage0_param_names=[["fc1.weight"], names[1]])
+    assert str(error.value) == "stage0_param_names has [1, 2] names per group; the optimizer's groups hold [2, 2] parameters"
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def test_command_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero3"), str(out)]) == 0
+    assert capsys.readouterr().out == (
+        f"wrote {out / TAG} from DeepSpeed 0.19.8 ZeRO-3 (2 ranks), step 3, 4 parameters\n")
+    assert checkpoint_main(["verify", str(out)]) == 0
+    assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero3"), str(out), "--tag", "nope"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"partita checkpoint: error: {FIXTURES / 'zero3'} has no tag 'nope' (tags there: {TAG}); pass one of them "
+        "with --tag\n")
+    assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero1"), str(out), "--rename", "nothing"]) == 2
+    assert "--rename 'nothing': expected OLD=NEW" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""``partita checkpoint inspect|verify|consolidate``: look at, check and export checkpoints offline.
+"""``partita checkpoint inspect|verify|consolidate|import-deepspeed``: look at, check, export and import
+checkpoints offline.
 
 Runs in one process without torch.distributed. DIR is a save directory (holding tags and
 ``latest``) or one tag directory. Imports stay inside the functions so that building the
@@ -20,10 +21,12 @@ __all__ = ["add_checkpoint_parser", "main", "run_checkpoint_command"]
 def add_checkpoint_parser(commands: Any) -> None:
     """Add the ``checkpoint`` subcommand to the ``partita`` parser's subparsers."""
     parser = commands.add_parser(
-        "checkpoint", help="inspect, verify or consolidate partita checkpoints",
-        description="Inspect, verify or consolidate partita checkpoints (DIR: a save directory or one tag directory).",
+        "checkpoint", help="inspect, verify, consolidate or import (DeepSpeed) checkpoints",
+        description="Inspect, verify or consolidate partita checkpoints (DIR: a save directory or one tag directory), "
+                    "or import a DeepSpeed checkpoint.",
     )
-    sub = parser.add_subparsers(dest="checkpoint_command", required=True, metavar="{inspect,verify,consolidate}")
+    sub = parser.add_subparsers(dest="checkpoint_command", required=True,
+                                metavar="{inspect,verify,consolidate,import-deepspeed}")
     inspect = sub.add_parser("inspect", help="list tags with step, world size, ZeRO stage, precision, size")
     inspect.add_argument("dir")
     verify = sub.add_parser("verify", help="check every file's size and sha256 against the manifest")
@@ -38,6 +41,20 @@ def add_checkpoint_parser(commands: Any) -> None:
     consolidate.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                              help="dtype of floating tensors (default fp32)")
     consolidate.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
+    imports = sub.add_parser(
+        "import-deepspeed", help="turn a DeepSpeed (ZeRO 0-3) checkpoint into a partita checkpoint that resumes at any world size",
+    )
+    imports.add_argument("dir", help="DeepSpeed's save_dir (holding 'latest') or one of its tag directories")
+    imports.add_argument("out", help="partita save directory to write into (the tag directory and 'latest')")
+    imports.add_argument("--tag", default=None, help="DeepSpeed tag to import (default: the one 'latest' names)")
+    imports.add_argument("--out-tag", default=None, help="partita tag to write (default: the DeepSpeed tag)")
+    imports.add_argument("--optimizer-class", default=None,
+                         help="torch optimizer class of the resumed run, e.g. torch.optim.adamw.AdamW (default: inferred)")
+    imports.add_argument("--param-names", default=None, metavar="FILE",
+                         help="ZeRO 0 only: JSON list of lists, each param group's parameter names in optimizer order")
+    imports.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                         help="replace the name prefix OLD by NEW in every key (e.g. 'module.=' drops a wrapper's "
+                              "prefix); repeatable")
 
 
 def _human(size: float) -> str:
@@ -159,6 +176,33 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_deepspeed(args: argparse.Namespace) -> int:
+    import json
+
+    from partita.checkpoint.import_deepspeed import import_deepspeed
+
+    names = None
+    if args.param_names is not None:
+        try:
+            names = json.loads(Path(args.param_names).read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise ValueError(f"--param-names {args.param_names}: not JSON ({error}); give a list of lists of names") from None
+    rename = {}
+    for item in args.rename:
+        if "=" not in item:
+            raise ValueError(f"--rename {item!r}: expected OLD=NEW (a name prefix and its replacement)")
+        old, new = item.split("=", 1)
+        rename[old] = new
+    out = import_deepspeed(args.dir, args.out, tag=args.tag, out_tag=args.out_tag, optimizer_class=args.optimizer_class,
+                           stage0_param_names=names, rename=rename or None)
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    source = meta["imported_from"]
+    print(f"wrote {out} from DeepSpeed {source['deepspeed_version']} ZeRO-{source['zero_stage']} "
+          f"({source['data_parallel_size']} ranks), step {meta['counters']['global_steps']}, "
+          f"{len(meta['optimizer']['params'])} parameters")
+    return 0
+
+
 def run_checkpoint_command(args: argparse.Namespace) -> int:
     """Run a parsed ``partita checkpoint ...`` command; returns the exit status."""
     from partita.checkpoint.errors import CheckpointError
@@ -168,8 +212,10 @@ def run_checkpoint_command(args: argparse.Namespace) -> int:
             return _inspect(Path(args.dir))
         if args.checkpoint_command == "verify":
             return _verify(Path(args.dir), args.tag)
+        if args.checkpoint_command == "import-deepspeed":
+            return _import_deepspeed(args)
         return _consolidate(args)
-    except (CheckpointError, ValueError, OSError) as error:
+    except (CheckpointError, ValueError, OSError, NotImplementedError) as error:
         print(f"partita checkpoint: error: {error}", file=sys.stderr)
         return 2
 

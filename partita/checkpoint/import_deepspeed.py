@@ -19,6 +19,7 @@ none; a resumed run keeps its own), data sampler state, and DeepSpeed-only secti
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def import_deepspeed(
     out_tag: str | None = None,
     optimizer_class: str | None = None,
     stage0_param_names: list[list[str]] | None = None,
+    rename: dict[str, str] | None = None,
 ) -> Path:
     """Convert DeepSpeed's checkpoint in ``ds_dir`` (its save_dir, or one tag directory) into a
     partita checkpoint ``out_dir/<tag>`` (``latest`` updated); returns the tag directory.
@@ -66,7 +68,11 @@ def import_deepspeed(
             (``"torch.optim.adamw.AdamW"``); default: inferred from DeepSpeed's config or the saved
             param groups. partita loads optimizer state only into the class it was saved from.
         stage0_param_names: ZeRO 0 only, where DeepSpeed does not record which parameter each
-            optimizer entry is: the names per param group, in the order given to the optimizer.
+            optimizer entry is: the names per param group, in the order given to the optimizer
+            (DeepSpeed's names, before ``rename``).
+        rename: name prefixes to replace in every key, ``{old: new}`` (``{"module.": ""}`` drops
+            a wrapper's prefix; ``{"": "model."}`` adds one): for a partita model whose
+            state_dict names differ from the DeepSpeed model's.
     """
     tag_dir = resolve_tag_dir(Path(ds_dir), tag)
     files = find_files(tag_dir)
@@ -74,6 +80,13 @@ def import_deepspeed(
     config = model_states.get("ds_config") or {}
     stage = _zero_stage(model_states, config, files)
     _check_precision(model_states, config, stage, files)
+    world = int(model_states.get("dp_world_size") or len(files.optim_states) or 1)
+    if stage > 0 and len(files.optim_states) != world:
+        have = sorted(int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)) for p in files.optim_states)
+        raise DeepSpeedImportError(
+            f"{tag_dir} was saved by {world} data-parallel ranks but holds the optimizer files of ranks {have}; copy "
+            "every rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt into the tag directory"
+        )
     optim = [safe_load(p)["optimizer_state_dict"] for p in files.optim_states] if stage > 0 else []
     if stage in (1, 2):
         groups = groups_from_stage12(model_states, optim)
@@ -82,6 +95,9 @@ def import_deepspeed(
     else:
         groups = _stage0_groups(model_states, stage0_param_names)
     module = _module_state(model_states, groups, [safe_load(p) for p in files.model_states[1:]] if stage == 3 else [])
+    if rename:
+        model_states = _renamed(model_states, groups, module, rename)
+        module = {_new_name(k, rename): v for k, v in module.items()}
     cls = optimizer_class or _optimizer_class(config, groups)
     name = out_tag or tag_dir.name
     problem = fmt.check_tag(name)
@@ -155,6 +171,29 @@ def _stage0_groups(model_states: dict[str, Any], names: list[list[str]] | None) 
             group.shapes.append(tuple(module[name].shape))
             group.masters[name] = module[name].detach().float().clone()
     return groups
+
+
+def _new_name(name: str, rename: dict[str, str]) -> str:
+    """``name`` with its longest matching prefix in ``rename`` replaced."""
+    for old in sorted(rename, key=len, reverse=True):
+        if name.startswith(old):
+            return rename[old] + name[len(old):]
+    return name
+
+
+def _renamed(model_states: dict[str, Any], groups: list[ImportedGroup], module: dict[str, torch.Tensor],
+             rename: dict[str, str]) -> dict[str, Any]:
+    """Rename the groups in place; return the model file's dict with renamed shared_params."""
+    new = [_new_name(k, rename) for k in module]
+    if len(set(new)) != len(new):
+        clash = sorted({n for n in new if new.count(n) > 1})
+        raise DeepSpeedImportError(f"rename {rename} maps several keys to {clash[:4]}; give prefixes that keep names distinct")
+    for group in groups:
+        group.names = [_new_name(n, rename) for n in group.names]
+        group.masters = {_new_name(n, rename): t for n, t in group.masters.items()}
+        group.state = {k: {_new_name(n, rename): t for n, t in v.items()} for k, v in group.state.items()}
+    shared = model_states.get("shared_params") or {}
+    return {**model_states, "shared_params": {_new_name(a, rename): _new_name(b, rename) for a, b in shared.items()}}
 
 
 def _gather_frozen(model_states: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
