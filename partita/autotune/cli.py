@@ -189,7 +189,21 @@ def _options(args: argparse.Namespace):
         stages=args.stages, micro_batches=args.micro_batches, checkpointing=args.checkpointing, offload=args.offload,
         gradient_accumulation_steps=gas, module=args.module, model=_model(args, section),
         memory_budget_bytes=_budget(args), trial_timeout_s=args.trial_timeout, seed=cfg.seed or 0,
+        allocator=_trial_allocator(),
     )
+
+
+def _trial_allocator() -> str:
+    """The caching allocator the trials run under: on a GPU what ``partita run`` gives them
+    (PYTORCH_CUDA_ALLOC_CONF, else expandable segments), so pruning compares predicted *reserved*
+    memory; on CPU none (no caching allocator: the estimate's tensor bytes)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none"
+    from partita.estimate.allocator import allocator_from_conf
+
+    return allocator_from_conf().kind
 
 
 def format_table(records: list[Any]) -> str:

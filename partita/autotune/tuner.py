@@ -1,8 +1,9 @@
 """The autotuning loop: plan the trials, prune those the memory estimate says cannot fit,
 run the rest, keep every outcome, and pick the fastest that fits.
 
-Pruning uses :mod:`partita.estimate`: each point's predicted peak accelerator memory per
-rank against the device's memory less a headroom. The model is, in order: a GPT preset
+Pruning uses :mod:`partita.estimate`: each point's predicted reserved accelerator memory per
+rank (the peak plus the CUDA caching allocator's rounding and fragmentation; on a CPU run the
+tensor bytes) against the device's memory less a headroom. The model is, in order: a GPT preset
 (activations included), a parameter count (``--model-params``, ``model_info.num_params`` or
 ``model_info_path``; model states and buffers only, activations unknown), or else the
 parameter count the first finished trial measured (the trials before it run unpruned; the
@@ -56,6 +57,7 @@ class TuneOptions:
     memory_budget_bytes: float | None = None
     trial_timeout_s: float = 600.0
     seed: int = 0
+    allocator: str = "none"  # partita.estimate.allocator.ALLOCATORS: pruning on predicted reserved memory
 
 
 @dataclass
@@ -108,6 +110,7 @@ class _Estimator:
     def __init__(self, opts: TuneOptions) -> None:
         self._base = opts.base_config
         self._model = opts.model
+        self._allocator = opts.allocator
         self._info = None
 
     def learn_parameters(self, count: int) -> None:
@@ -126,9 +129,11 @@ class _Estimator:
             dict(self._base), world_size=point.world_size, stage=point.stage, micro_batch=point.micro_batch,
             gradient_accumulation_steps=point.gradient_accumulation_steps, checkpointing=point.checkpointing,
             offload_optimizer="cpu" if point.offload != "none" else "none",
-            offload_param="cpu" if point.offload == "cpu+param" else "none",
+            offload_param="cpu" if point.offload == "cpu+param" else "none", allocator=self._allocator,
         )
-        return float(estimate_memory(self._info, setup).peak_accelerator)
+        # Reserved, not allocated: a trial fails when the caching allocator cannot reserve a request,
+        # and its rounding and fragmentation come on top of the tensors (partita/estimate/allocator.py).
+        return float(estimate_memory(self._info, setup).reserved_accelerator)
 
 
 def _plan(opts: TuneOptions) -> tuple[list[TrialPoint], list[TrialRecord]]:

@@ -18,10 +18,13 @@ examples:
       --dtype bf16 --stage 2 --world-size 8 --micro-batch 4
   partita estimate --model gpt-1.3b --world-size 8 --micro-batch 8 --gpu-memory 80GiB
   partita estimate --params 7e9 --stage 3 --world-size 8 --activation-bytes 20GB --json
+  partita estimate --model gpt --d-model 5120 --n-layers 40 --n-heads 40 --vocab 50304 --seq-len 2048 \\
+      --gpu-memory 141GB --cpu-memory 120GB --nvme-memory 64GB
   partita estimate --model gpt2-124m --config ds_config.json --world-size 2
 
 Flags override --config, which overrides the defaults (bf16, stage 0, one rank, micro-batch 1, AdamW).
-Exit status: 0; 1 when no setup fits --gpu-memory; 2 for a wrong input.
+Fits compare the predicted reserved memory (allocated tensors + the CUDA caching allocator's rounding and
+fragmentation). Exit status: 0; 1 when no setup fits --gpu-memory; 2 for a wrong input.
 """
 
 _PRESETS = ("tiny", "gpt2-124m", "gpt-1.3b")
@@ -75,8 +78,17 @@ def add_estimate_parser(commands: Any) -> None:
     fit = p.add_argument_group("recommendation")
     fit.add_argument("--gpu-memory", default=None, help="accelerator memory per rank, e.g. 141GB or 80GiB")
     fit.add_argument("--cpu-memory", default=None, help="CPU memory available per rank (for offload), e.g. 200GB")
+    fit.add_argument("--nvme-memory", default=None,
+                     help="NVMe space per rank for offloaded optimizer states, e.g. 64GB (default: the free space "
+                          "at --nvme-path divided by the world size when that path exists, else no NVMe)")
     fit.add_argument("--headroom", type=float, default=None,
-                     help="fraction of --gpu-memory kept free for the CUDA context and fragmentation (default 0.05)")
+                     help="fraction of --gpu-memory kept free for the CUDA context and NCCL (default 0.05)")
+    setup.add_argument("--allocator", choices=("expandable", "default", "none"), default=None,
+                       help="CUDA caching allocator to predict reserved memory for: expandable segments (default, "
+                            "what partita run sets), default (fixed segments), none (reserved = allocated); "
+                            "default: from PYTORCH_CUDA_ALLOC_CONF when set")
+    setup.add_argument("--max-split-size-mb", type=int, default=None,
+                       help="PYTORCH_CUDA_ALLOC_CONF max_split_size_mb (with --allocator default)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -127,6 +139,8 @@ def _setup(args: argparse.Namespace, model: Any):
         flags["activation_bytes"] = parse_bytes(args.activation_bytes, what="--activation-bytes")
     if isinstance(model, int) and args.seq_len is not None:
         flags["seq_len"] = args.seq_len
+    allocator = _allocator(args)
+    flags.update(allocator=allocator.kind, max_split_size_mb=allocator.max_split_size_mb)
     fold = args.one_rank_gradient_fold
     if fold not in (None, "auto"):
         flags.update(fold_gradients_at_end=fold != "early", streamed_step=fold == "stream")
@@ -136,6 +150,32 @@ def _setup(args: argparse.Namespace, model: Any):
     setup = Setup(**flags)
     return setup.replace(fold_gradients_at_end=True, streamed_step=True) if fold in (None, "auto") and \
         setup.streams_by_default() else setup
+
+
+def _allocator(args: argparse.Namespace):
+    """--allocator / --max-split-size-mb, else PYTORCH_CUDA_ALLOC_CONF, else expandable segments."""
+    from partita.estimate.allocator import AllocatorModel, allocator_from_conf
+
+    if args.allocator is None and args.max_split_size_mb is None:
+        return allocator_from_conf()
+    return AllocatorModel(args.allocator or "default", args.max_split_size_mb)
+
+
+def _nvme_memory(args: argparse.Namespace, world_size: int) -> int | None:
+    """--nvme-memory, else the free space at an existing --nvme-path shared by the ranks (shutil.disk_usage)."""
+    import os
+    import shutil
+
+    from partita.estimate.inputs import EstimateError, parse_bytes
+
+    if args.nvme_memory is not None:
+        return parse_bytes(args.nvme_memory, what="--nvme-memory")
+    if args.nvme_path is None:
+        return None
+    if not os.path.isdir(args.nvme_path):
+        raise EstimateError(f"--nvme-path {args.nvme_path!r} is not an existing directory: create it, point it at "
+                            "the NVMe mount, or give --nvme-memory SIZE")
+    return shutil.disk_usage(args.nvme_path).free // max(1, world_size)
 
 
 def run_estimate_command(args: argparse.Namespace) -> int:
@@ -150,8 +190,9 @@ def run_estimate_command(args: argparse.Namespace) -> int:
         setup = _setup(args, model)
         info = model_info(model)
         if args.gpu_memory is None:
-            if args.cpu_memory is not None or args.headroom is not None:
-                raise EstimateError("--cpu-memory and --headroom only apply with --gpu-memory (a recommendation)")
+            if args.cpu_memory is not None or args.headroom is not None or args.nvme_memory is not None:
+                raise EstimateError("--cpu-memory, --nvme-memory and --headroom only apply with --gpu-memory "
+                                    "(a recommendation)")
             if setup.offload_optimizer == "auto":  # tiered placement: the split per tier and the machine's bound
                 from partita.estimate.tiers_cli import run_tiered
 
@@ -163,7 +204,9 @@ def run_estimate_command(args: argparse.Namespace) -> int:
             raise EstimateError("--gpu-memory recommends among offload none/cpu/nvme; for tiered placement give "
                                 "--offload-optimizer auto with --tier-capacity (and no --gpu-memory)")
         headroom = {} if args.headroom is None else {"headroom": args.headroom}
-        recommendation = recommend_config(info, args.gpu_memory, setup, cpu_memory=args.cpu_memory, **headroom)
+        nvme = _nvme_memory(args, setup.world_size)
+        recommendation = recommend_config(info, args.gpu_memory, setup, cpu_memory=args.cpu_memory,
+                                          nvme_memory=nvme, **headroom)
     except (EstimateError, ConfigError, OSError) as error:
         print(f"partita estimate: error: {error}", file=sys.stderr)
         return 2

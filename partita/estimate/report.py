@@ -44,6 +44,11 @@ def format_estimate(estimate: MemoryEstimate) -> str:
                  [format_bytes(estimate.model_states(d)) for d in devices]))
     _, phase = estimate.peak("accelerator")
     rows.append(("peak", f"per rank (accelerator: {phase})", [format_bytes(estimate.peak(d)[0]) for d in devices]))
+    if estimate.reserved is not None and estimate.reserved.model.kind != "none":
+        r = estimate.reserved
+        rows.append(("reserved", f"~ with the caching allocator ({r.model.describe()}: +{format_bytes(r.rounding + r.pages)} "
+                     f"rounding, +{format_bytes(r.fragmentation)} fragmentation)",
+                     [format_bytes(estimate.reserved_accelerator)] + [""] * (len(devices) - 1)))
 
     widths = [max(len(r[0]) for r in rows + [("category", "", [])]), max(len(r[1]) for r in rows + [("", "item", [])])]
     cell_widths = [max([len(_HEADERS[d])] + [len(r[2][i]) for r in rows]) for i, d in enumerate(devices)]

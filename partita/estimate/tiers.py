@@ -37,12 +37,19 @@ _BISECTIONS = 40  # shares resolved to 1e-12: far below one parameter of any mod
 
 
 class TierFitError(EstimateError):
-    """No split of the optimizer state over the tiers fits; the message has the numbers and the fix."""
+    """No split of the optimizer state over the tiers fits; the message has the numbers and the fix
+    (``closest``: the estimate of the closest split)."""
+
+    def __init__(self, message: str, closest: MemoryEstimate | None = None) -> None:
+        super().__init__(message)
+        self.closest = closest
 
 
-def tier_needs(estimate: MemoryEstimate) -> tuple[int, int, int]:
-    """Peak bytes per tier of one estimate: accelerator peak, host peak, NVMe files."""
-    return (estimate.peak_accelerator, estimate.peak_cpu, estimate.nvme)
+def tier_needs(estimate: MemoryEstimate, *, reserved: bool = False) -> tuple[int, int, int]:
+    """Peak bytes per tier of one estimate: accelerator peak (with ``reserved``, the predicted reserved
+    memory: partita/estimate/allocator.py), host peak, NVMe files."""
+    acc = estimate.reserved_accelerator if reserved else estimate.peak_accelerator
+    return (acc, estimate.peak_cpu, estimate.nvme)
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,12 @@ def _largest(fits, lo: float, hi: float) -> float:
     return lo
 
 
-def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities) -> TierPlan:
-    """Decide the split of ``setup`` (device auto) for ``capacities``; raise :class:`TierFitError` if none fits."""
+def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities, *, reserved: bool = False) -> TierPlan:
+    """Decide the split of ``setup`` (device auto) for ``capacities``; raise :class:`TierFitError` if none fits.
+
+    ``reserved``: compare the accelerator's predicted reserved memory (allocator rounding and
+    fragmentation included) with its capacity instead of the allocated peak (``partita estimate``'s
+    recommendation does; ``initialize`` keeps ``tiers.headroom`` for it)."""
     if setup.offload_optimizer != "auto":
         raise EstimateError(f"plan_tiers decides offload_optimizer auto, not {setup.offload_optimizer!r}")
     cap_a, cap_c, cap_n = capacities.as_tuple()
@@ -142,18 +153,19 @@ def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities) -> Tie
         return (a, c, max(0.0, 1.0 - a - c))
 
     def acc_fits(a: float) -> bool:
-        return estimate(split(a, 1.0 - a)).peak_accelerator <= cap_a
+        e = estimate(split(a, 1.0 - a))
+        return (e.reserved_accelerator if reserved else e.peak_accelerator) <= cap_a
 
     if setup.offload_ratio < 1.0:
         a = 1.0 - setup.offload_ratio
         if not acc_fits(a):
-            _refuse(estimate(split(a, 1.0 - a)), capacities, "accelerator", setup)
+            _refuse(estimate(split(a, 1.0 - a)), capacities, "accelerator", setup, reserved=reserved)
     elif acc_fits(1.0):
         a = 1.0
     elif acc_fits(0.0):
         a = _largest(acc_fits, 0.0, 1.0)
     else:
-        _refuse(estimate(split(0.0, 1.0)), capacities, "accelerator", setup)
+        _refuse(estimate(split(0.0, 1.0)), capacities, "accelerator", setup, reserved=reserved)
     rest = 1.0 - a
 
     def host_fits(c: float) -> bool:
@@ -166,9 +178,9 @@ def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities) -> Tie
     elif host_fits(0.0):
         c = _largest(host_fits, 0.0, rest)
     else:
-        _refuse(estimate(split(a, 0.0)), capacities, "cpu", setup, nvme_usable=cap_n)
+        _refuse(estimate(split(a, 0.0)), capacities, "cpu", setup, nvme_usable=cap_n, reserved=reserved)
     if estimate(split(a, c)).nvme > cap_n:
-        _refuse(estimate(split(a, c)), capacities, "nvme", setup, nvme_usable=cap_n)
+        _refuse(estimate(split(a, c)), capacities, "nvme", setup, nvme_usable=cap_n, reserved=reserved)
     fractions = split(a, c)
     chosen = estimate(fractions)
     return TierPlan(fractions=fractions, estimate=chosen, capacities=capacities, elements=_elements(chosen, info))
@@ -206,11 +218,11 @@ def _gib(nbytes: int) -> str:
 
 
 def _refuse(closest: MemoryEstimate, capacities: TierCapacities, tier: str, setup: Setup, *,
-            nvme_usable: int | None = None) -> None:
+            nvme_usable: int | None = None, reserved: bool = False) -> None:
     usable = list(capacities.as_tuple())
     if nvme_usable is not None:
         usable[2] = nvme_usable
-    needs = tier_needs(closest)
+    needs = tier_needs(closest, reserved=reserved)
     split = closest.setup.offload_tiers or (0.0, 0.0, 0.0)
     lines = "; ".join(
         f"{t} needs {_gib(needs[i])} GiB, {_gib(usable[i])} GiB usable"
@@ -221,5 +233,6 @@ def _refuse(closest: MemoryEstimate, capacities: TierCapacities, tier: str, setu
         f"offload_optimizer.device \"auto\": no split of the optimizer state over accelerator, host memory and "
         f"NVMe fits this rank (headroom {capacities.headroom:.0%} kept free). Closest split (accelerator "
         f"{split[0]:.3f} / cpu {split[1]:.3f} / nvme {split[2]:.3f}): {lines}. The {tier} tier is short: "
-        f"{_FIXES[tier]}"
+        f"{_FIXES[tier]}",
+        closest,
     )
