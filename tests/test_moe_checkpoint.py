@@ -1,7 +1,8 @@
-"""Checkpoints store experts by global expert index: saved at ep 2 (x expert-data 2), they load
-at ep 4, at ep 1 on 4 ranks, and at ep 1 in a single process, exactly; the next step (which
-reads the restored Adam moments) equals the uninterrupted ep 2 run; consolidation exports
-every expert."""
+"""Checkpoints store experts by global expert index (``deepspeed_experts.<global index>``, the
+names they have at ep_size 1): saved at ep 2 (x expert-data 2), they load at ep 4, at ep 1 on 4
+ranks, and at ep 1 in a single process, exactly; the next step (which reads the restored Adam
+moments) equals the uninterrupted ep 2 run; consolidation exports every expert under its global
+name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import torch
 
 from tests.harness import run_distributed
-from tests.test_moe_reference import MoENet, make_data
+from tests.test_moe_reference import EXPERTS, MoENet, make_data, stacked_view
 
 E = 4
 MICRO = 2
@@ -30,7 +31,7 @@ def _params(model) -> dict[str, torch.Tensor]:
     from partita.zero.gathered import GatheredParameters
 
     with GatheredParameters(list(model.parameters())):
-        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        return stacked_view({n: p.detach().float().clone() for n, p in model.named_parameters()})
 
 
 def _step(engine, rank: int, world: int, step: int) -> None:
@@ -61,8 +62,14 @@ def save_and_reshard(save_dir: str) -> dict:
     for step in range(2):
         _step(engine, rank, world, step)
     engine.save_checkpoint(save_dir, tag="ep2")
-    out["ep2"] = {"experts": model.moe.local_expert_indices, "saved": _params(model),
-                  "export": engine.get_fp32_state_dict(rank0_only=False)}  # every expert, by global index
+    from partita.moe.registry import gather_expert_copies
+
+    export = engine.get_fp32_state_dict(rank0_only=False)  # this rank's experts, under their local names
+    # Every expert rank's experts under their global names (what an export at ep_size > 1 needs).
+    export = {g: t for n, p in model.named_parameters() for g, t in gather_expert_copies(n, p, export[n])}
+    assert sorted(k for k in export if k.startswith(EXPERTS)) == sorted(
+        f"{EXPERTS}{e}.{leaf}" for e in range(E) for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
+    out["ep2"] = {"experts": model.moe.local_expert_indices, "saved": _params(model), "export": stacked_view(export)}
     _step(engine, rank, world, 2)
     out["ep2"]["next"] = _params(model)
     for ep, stage in ((4, 1), (1, 3)):
@@ -100,7 +107,7 @@ def test_reshard_ep2_to_ep4_ep1_and_one_process(tmp_path) -> None:
     per_rank = run_distributed(save_and_reshard, 4, str(tmp_path), timeout=600)
     for rank, result in enumerate(per_rank):
         for name in result["modified"]:
-            expert = name.startswith("moe.experts")
+            expert = name.startswith(EXPERTS)
             want = result["unchanged" if expert and rank % 2 == 1 else "modified"][name]
             assert want, f"rank {rank} {name}: GatheredParameters edit reached the wrong copies"
     saved = _global(per_rank, "ep2", "saved")
@@ -129,5 +136,7 @@ def test_reshard_ep2_to_ep4_ep1_and_one_process(tmp_path) -> None:
     exported = {}
     for file in (tmp_path / "hf").glob("*.safetensors"):
         exported.update(load_file(str(file)))
+    assert f"{EXPERTS}3.fc2.bias" in exported  # global names, as at ep_size 1
+    exported = stacked_view(exported)
     for name in saved:
         assert torch.equal(exported[name], saved[name]), f"consolidated {name}"

@@ -101,7 +101,7 @@ def test_router_z_loss() -> None:
     m = _layer(k=1, drop_tokens=False, router_z_loss_coef=0.1)
     x = torch.randn(5, D)
     _, with_z, _ = m(x)
-    m.router_z_loss_coef = 0.0
+    m.gate.router_z_loss_coef = 0.0  # the routing options live on the gate, as in DeepSpeed
     _, without, _ = m(x)
     logits = x @ m.gate.wg.weight.t()
     assert torch.allclose(with_z - without, 0.1 * torch.logsumexp(logits, 1).square().mean())
@@ -115,7 +115,8 @@ def _layer(*, k: int, drop_tokens: bool, expert: nn.Module | None = None, **kw) 
     with torch.no_grad():
         for name, value in expert_weights(4).items():
             layer, kind = name.split(".")
-            m.experts.stacked.get_parameter(f"{rename[layer]}.{kind}").copy_(value)
+            for j, param in enumerate(m.experts.expert_params(f"{rename[layer]}.{kind}")):
+                param.copy_(value[j])
     return m
 
 
@@ -126,7 +127,7 @@ def test_dropless_matches_per_token_reference(k: int, path: str, monkeypatch) ->
         monkeypatch.setattr("partita.moe.experts.grouped_mm_available", lambda device, dtype: False)
     expert = nn.Sequential(nn.Linear(D, FFN), nn.GELU(), nn.Linear(FFN, D)) if path == "generic" else None
     m = _layer(k=k, drop_tokens=False, expert=expert)
-    if path == "generic":  # run the Sequential through functional_call, as any other expert module
+    if path == "generic":  # run the Sequential through each expert's own forward, as any other expert module
         m.experts._mlp = None
     assert m.experts.uses_grouped_mm == (path == "grouped")
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -143,7 +144,8 @@ def test_dropless_matches_per_token_reference(k: int, path: str, monkeypatch) ->
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-6)
     names = {"grouped": ("fc1", "fc2"), "loop": ("fc1", "fc2"), "generic": ("0", "2")}[path]
     for mine, ref in zip(names, ("fc1", "fc2")):
-        assert torch.allclose(m.experts.stacked.get_parameter(f"{mine}.weight").grad, experts[f"{ref}.weight"].grad, atol=1e-6)
+        grad = torch.stack([p.grad for p in m.experts.expert_params(f"{mine}.weight")])
+        assert torch.allclose(grad, experts[f"{ref}.weight"].grad, atol=1e-6)
 
 
 def test_capacity_mode_drops_exactly_the_rule() -> None:
@@ -164,7 +166,7 @@ def test_capacity_mode_drops_exactly_the_rule() -> None:
         expected = ref[s] if s in kept else torch.zeros(D)
         assert torch.allclose(out[s], expected, atol=1e-6), s
     out.sum().backward()
-    grad = m.experts.stacked.fc1.weight.grad
+    grad = torch.stack([p.grad for p in m.experts.expert_params("fc1.weight")])
     assert grad is not None and grad[2:].abs().sum() == 0 and grad[:2].abs().sum() > 0
     assert m.take_routing_stats().dropped_fraction == pytest.approx((8 - len(kept)) / 8)
 
@@ -177,10 +179,11 @@ def test_residual_and_shared_experts() -> None:
     routed, _, _ = m2(x)
     shared = m.shared_experts
     shared_out = sum(
-        F.linear(F.gelu(F.linear(x, shared.stacked.fc1.weight[j], shared.stacked.fc1.bias[j])),
-                 shared.stacked.fc2.weight[j], shared.stacked.fc2.bias[j]) for j in range(2))
-    mlp = m.mlp.stacked
-    dense = F.linear(F.gelu(F.linear(x, mlp.fc1.weight[0], mlp.fc1.bias[0])), mlp.fc2.weight[0], mlp.fc2.bias[0])
+        F.linear(F.gelu(F.linear(x, shared.stacked("fc1.weight")[j], shared.stacked("fc1.bias")[j])),
+                 shared.stacked("fc2.weight")[j], shared.stacked("fc2.bias")[j]) for j in range(2))
+    mlp = m.mlp  # the expert module itself, as DeepSpeed's residual MoE
+    assert type(mlp) is ExpertMLP
+    dense = F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
     coef = torch.softmax(m.coefficient(x), dim=-1)
     assert torch.allclose(out, (routed + shared_out) * coef[:, :1] + dense * coef[:, 1:], atol=1e-6)
     # Only the routed experts are expert (MoE) parameters; shared and residual ones are dense.
@@ -195,8 +198,9 @@ def test_split_params_into_moe_groups() -> None:
     assert groups[0]["lr"] == 0.5 and "moe" not in groups[0] and groups[0]["params"] == [m.gate.wg.weight]
     assert groups[1] == {"params": list(m.experts.parameters()), "lr": 0.5, "name": "ep_size_1", "moe": True}
     cut = split_params_into_different_moe_groups_for_optimizer([{"params": list(m.parameters())}], max_group_size=600)
-    assert [len(g["params"]) for g in cut[1:]] == [2, 2]  # 512 + 64, then 512 + 32 elements
-    assert not hasattr(m.experts.stacked.fc1.weight, "allreduce")  # nothing bolted onto the parameter
+    # Per-expert parameters of 128 + 16 + 128 + 8 = 280 elements each: two experts, then the next group.
+    assert [len(g["params"]) for g in cut[1:]] == [8, 8]
+    assert not hasattr(m.experts.deepspeed_experts[0].fc1.weight, "allreduce")  # nothing bolted onto the parameter
 
 
 def test_construction_errors() -> None:
@@ -209,8 +213,6 @@ def test_construction_errors() -> None:
         MoE(D, expert, num_experts=4, noisy_gate_policy="Gaussian")
     with pytest.raises(NotImplementedError, match="use_tutel"):
         MoE(D, expert, num_experts=4, use_tutel=True)
-    with pytest.raises(NotImplementedError, match="buffers"):
-        MoE(D, nn.BatchNorm1d(D), num_experts=2)
     with pytest.raises(ValueError, match="activation='tanh2'"):
         ExpertMLP(D, FFN, activation="tanh2")
     unbound = MoE(D, expert, num_experts=4, ep_size=2)
@@ -231,3 +233,20 @@ def test_eval_uses_eval_capacity_factor() -> None:
     out_train, _, _ = m(x)
     assert (out_train.abs().sum(1) == 0).sum() > 0  # capacity 1 per expert: tokens dropped
     assert math.isclose(m.take_routing_stats().forwards, 2)
+
+
+def test_experts_with_buffers_hold_their_own() -> None:
+    """Each local expert is a copy of the module, buffers included (as DeepSpeed's deep copies)."""
+    m = MoE(D, nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)), num_experts=2, k=1, drop_tokens=False)
+    keys = [k for k in m.state_dict() if "running_mean" in k]
+    assert keys == [f"deepspeed_moe.experts.deepspeed_experts.{j}.1.running_mean" for j in range(2)]
+    first, second = (e[1].running_mean for e in m.experts.deepspeed_experts)
+    assert first.data_ptr() != second.data_ptr()
+    m.eval()
+    x = torch.randn(6, D)
+    out, _, counts = m(x)
+    expert = m.experts.deepspeed_experts
+    chosen = torch.softmax(m.gate.logits(x, jitter=False), 1).argmax(1)
+    probs = torch.softmax(m.gate.logits(x, jitter=False), 1).max(1).values
+    expected = torch.stack([expert[int(e)](x[i : i + 1])[0] * probs[i] for i, e in enumerate(chosen)])
+    assert torch.allclose(out, expected, atol=1e-6)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.test_moe_reference import LR, MOMENTUM, MoENet, make_data, reference_train
+from tests.test_moe_reference import LR, MOMENTUM, MoENet, make_data, reference_train, stacked_view
 
 STEPS = 3
 MICRO = 2  # samples per rank and step (x SEQ tokens)
@@ -62,7 +62,7 @@ def train_ep(runs: list[dict]) -> list[dict]:
             if step < STEPS - 1:
                 routed_counts.append(model.moe.take_routing_stats().tokens_per_expert.tolist())
         with GatheredParameters(list(model.parameters())):
-            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+            params = stacked_view({n: p.detach().float().clone() for n, p in model.named_parameters()})
         out.append({"params": params, "experts": model.moe.local_expert_indices, "norms": norms,
                     "counts": routed_counts, "line": engine._step_log.last_line,
                     "metrics": {k: v for k, v in engine._step_log.last_metrics.items() if k.startswith("moe/")}})

@@ -22,6 +22,10 @@ LR = 0.2
 MOMENTUM = 0.9  # SGD, not Adam: Adam is blind to a wrongly scaled gradient
 
 
+EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."  # MoENet's local experts (DeepSpeed's layout)
+GATE = "moe.deepspeed_moe.gate.wg.weight"
+
+
 def expert_weights(num_experts: int) -> dict[str, torch.Tensor]:
     """Global expert weights, expert index first (the stacked layout)."""
     g = torch.Generator().manual_seed(1234)
@@ -52,11 +56,28 @@ class MoENet(nn.Module):
             if zero_gate:  # every logit ties: argmax sends every token to expert 0 in the first step
                 self.moe.gate.wg.weight.zero_()
             for name, value in expert_weights(num_experts).items():
-                self.moe.experts.stacked.get_parameter(name).copy_(value[rows])
+                for j, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                    expert.get_parameter(name).copy_(value[rows][j])
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
         return F.mse_loss(self.out(h), y) + AUX * l_aux
+
+
+def stacked_view(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MoENet's parameters with its local experts (``moe.deepspeed_moe.experts.deepspeed_experts.<j>.<leaf>``)
+    stacked in local order as ``moe.experts.stacked.<leaf>``: the reference's layout."""
+    out: dict[str, torch.Tensor] = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    for name, value in named.items():
+        if name.startswith(EXPERTS):
+            j, leaf = name.removeprefix(EXPERTS).split(".", 1)
+            rows.setdefault(leaf, {})[int(j)] = value
+        else:
+            out[name] = value
+    for leaf, by_index in rows.items():
+        out[f"moe.experts.stacked.{leaf}"] = torch.stack([by_index[j] for j in sorted(by_index)])
+    return out
 
 
 def make_data(steps: int, global_batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -107,7 +128,7 @@ def reference_train(*, num_experts: int, k: int, steps: int, global_batch: int, 
     net = MoENet(num_experts=num_experts, ep_size=1, k=k, drop_tokens=False, zero_gate=zero_gate)  # dense initial weights
     params = {
         "inp.weight": net.inp.weight.detach().clone(), "inp.bias": net.inp.bias.detach().clone(),
-        "moe.gate.wg.weight": net.moe.gate.wg.weight.detach().clone(),
+        GATE: net.moe.gate.wg.weight.detach().clone(),
         "out.weight": net.out.weight.detach().clone(), "out.bias": net.out.bias.detach().clone(),
         **{f"moe.experts.stacked.{n}": v.clone() for n, v in expert_weights(num_experts).items()},
     }
@@ -127,7 +148,7 @@ def reference_train(*, num_experts: int, k: int, steps: int, global_batch: int, 
                 x = torch.zeros_like(x)
             y = ys[step][r * chunk : (r + 1) * chunk].reshape(-1, 1)
             h = torch.tanh(x @ params["inp.weight"].t() + params["inp.bias"])
-            out, l_aux = reference_moe(h, params["moe.gate.wg.weight"], experts, k)
+            out, l_aux = reference_moe(h, params[GATE], experts, k)
             pred = out @ params["out.weight"].t() + params["out.bias"]
             total = total + (F.mse_loss(pred, y) + AUX * l_aux) / world
         total.backward()

@@ -37,6 +37,7 @@ from partita.checkpoint.save import checkpoint_config, long_timeout_s, wait_for_
 from partita.checkpoint.snapshot import (
     IMPLEMENTATION_OPTIONS,
     LOCAL_MASTER,
+    checkpoint_state_dict,
     param_names,
     shard_file_of,
     split_of,
@@ -47,6 +48,7 @@ from partita.checkpoint.state_layout import block_range, element_shards, element
 from partita.checkpoint.tensor_layout import check_block_wise, full_shape_of, last_shard_file, read_blocks, read_elements
 from partita.checkpoint.sync import Coordinator
 from partita.data.sampler import ResumableDistributedSampler
+from partita.moe.registry import checkpoint_name, expert_names_elsewhere
 from partita.optim.eight_bit import BLOCK_SIZE
 from partita.tensor_parallel.shard_ranges import local_slice
 
@@ -233,7 +235,8 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
     to restore through the fp32 master weights: ``skip`` and the keys the model file lacks
     because the checkpoint holds them only as shards (a ZeRO-3 save).
     """
-    current = module.state_dict()
+    current = checkpoint_state_dict(module)  # MoE experts under their global index
+    elsewhere = expert_names_elsewhere(module)  # experts other expert ranks hold: saved, not here
     aliases = model_meta["aliases"]
     extra = model_meta.get("extra_state", {})
     files = {model_meta["file"], *model_meta.get("files", {}).values()}
@@ -241,7 +244,7 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
     sharded_saved = set(model_meta.get("sharded_keys", []))
     saved_keys = set(model_meta["keys"])
     missing = [k for k in current if k not in saved_keys]
-    unexpected = [k for k in model_meta["keys"] if k not in current]
+    unexpected = [k for k in model_meta["keys"] if k not in current and k not in elsewhere]
     if strict and (missing or unexpected):
         raise CheckpointMismatchError(
             "the checkpoint's model does not match this model: "
@@ -251,7 +254,8 @@ def _load_module(module: torch.nn.Module, reader: ShardReader, model_meta: dict[
         )
     extra_values: dict[str, Any] = {}
     via_master = set(skip)
-    tensor_shards = {k: split_of(p) for k, p in module.named_parameters(remove_duplicate=False) if split_of(p)}
+    tensor_shards = {checkpoint_name(k, p): split_of(p) for k, p in module.named_parameters(remove_duplicate=False)
+                     if split_of(p)}
     for key, target in current.items():
         if key not in saved_keys or key in skip:
             continue
@@ -324,7 +328,8 @@ def _check_parameters(engine: Engine, meta: dict[str, Any]) -> None:
     current = {names[p]: (g, full_shape_of(p, split_of(p))) for g, group in enumerate(engine.optimizer.groups)
                for p in group.params}
     missing = [n for n in current if n not in saved]
-    extra = [n for n in saved if n not in current]
+    elsewhere = expert_names_elsewhere(engine.module)  # experts other expert ranks train
+    extra = [n for n in saved if n not in current and n not in elsewhere]
     if missing or extra:
         raise CheckpointMismatchError(
             "the trainable parameters differ from the checkpoint's: "

@@ -124,6 +124,7 @@ class MoE(nn.Module):
     eval_capacity_factor = property(lambda self: self.deepspeed_moe.gate.eval_capacity_factor)
     min_capacity = property(lambda self: self.deepspeed_moe.gate.min_capacity)
     drop_tokens = property(lambda self: self.deepspeed_moe.gate.drop_tokens)
+    router_z_loss_coef = property(lambda self: self.deepspeed_moe.gate.router_z_loss_coef)
 
     @property
     def gate(self) -> TopKGate:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from partita.moe.layer import MoE
 
 __all__ = ["bind_experts", "checkpoint_name", "checkpoint_renames", "expert_index", "expert_names_elsewhere",
+           "gather_expert_copies",
            "expert_piece_ranks", "expert_shard_of", "global_expert_names", "is_moe_param", "moe_layers",
            "register_expert_params"]
 
@@ -46,6 +47,9 @@ class _Entry:
 
 
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Every layer that registered expert parameters -> "MoE layer" or "ShardedEmbedding" (so this
+# module finds the layers without importing their modules, which import it).
+_LAYERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_expert_params(layer: nn.Module, params: list[nn.Parameter], *, local_index: int | None = None) -> None:
@@ -53,6 +57,7 @@ def register_expert_params(layer: nn.Module, params: list[nn.Parameter], *, loca
     of its local expert ``local_index`` for an MoE layer."""
     for param in params:
         _OWNER[param] = _Entry(layer, local_index)
+    _LAYERS[layer] = "ShardedEmbedding" if local_index is None else "MoE layer"
 
 
 def owner_layer(param: torch.Tensor) -> MoE | None:
@@ -70,9 +75,7 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """Every MoE layer in ``model``, in module order (the order groups are built in on every rank)."""
-    from partita.moe.layer import MoE
-
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+    return [(name, module) for name, module in model.named_modules() if _LAYERS.get(module) == "MoE layer"]
 
 
 def expert_index(param: torch.Tensor) -> int | None:
@@ -146,17 +149,14 @@ def bind_experts(model: nn.Module, topology: Topology) -> dict[nn.Parameter, Sha
     structure. Raises ValueError naming the layer when its ep_size does not divide the
     data-parallel size (data x sequence).
     """
-    from partita.moe.embedding import ShardedEmbedding
-    from partita.moe.layer import MoE
-
     comms: dict[nn.Parameter, ShardComm] = {}
     by_size: dict[int, ShardComm] = {}
-    sharded = [(n, m) for n, m in model.named_modules() if isinstance(m, (MoE, ShardedEmbedding))]
+    sharded = [(n, m) for n, m in model.named_modules() if m in _LAYERS]
     for name, layer in sharded:
         try:
             groups = topology.expert_groups(layer.ep_size)
         except ValueError as error:
-            kind = "MoE layer" if isinstance(layer, MoE) else "ShardedEmbedding"
+            kind = _LAYERS[layer]
             raise ValueError(f"{kind} {name!r} (num_experts={layer.num_experts}): {error}") from None
         layer.bind(groups)
         comm = by_size.get(layer.ep_size)
@@ -198,3 +198,23 @@ def expert_piece_ranks(topology: Topology, ep_size: int, expert_rank: int) -> li
     (the ZeRO shard order of those experts): ZeRO positions ``expert_rank + ep_size * j``."""
     zero_ranks = topology.zero_group_ranks()
     return zero_ranks[expert_rank::ep_size]
+
+
+def gather_expert_copies(name: str, param: torch.Tensor, whole: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``[(checkpoint name, tensor)]`` of this local expert slot on every expert rank, for exports.
+
+    ``whole`` is this rank's whole value of ``param`` (model name ``name``). For an
+    expert-parallel MoE expert it is all-gathered over the expert group (a collective: every rank
+    of the group calls it for the same parameter) and each expert rank's copy comes back under its
+    global name; any other parameter comes back as ``[(name, whole)]``."""
+    names = global_expert_names(name, param)
+    if len(names) == 1:
+        return [(names[0], whole)]
+    import torch.distributed as dist
+
+    layer = owner_layer(param)
+    if layer._groups is None:
+        raise RuntimeError(f"{name}: an expert-parallel MoE layer that was never bound has no expert group to gather over")
+    pieces = [torch.empty_like(whole) for _ in names]
+    dist.all_gather(pieces, whole.contiguous(), group=layer._groups.expert_group)
+    return list(zip(names, pieces))
