@@ -1,14 +1,30 @@
-"""``deepspeed.runtime.utils``: the helpers training scripts import from it."""
+"""``deepspeed.runtime.utils``: the helpers training scripts import from it.
+
+``see_memory_usage`` and ``noop_context`` are here; ``set_random_seed(seed)`` is the seeding
+``partita.initialize`` does with the config's ``"seed"`` (Python's ``random``, NumPy and torch,
+as DeepSpeed's). ``PartitionedTensor`` (activations split across tensor ranks between pipeline
+stages) is refused with what partita does instead.
+"""
 
 from __future__ import annotations
 
 import gc
 import logging
 
-
+from partita.runtime._missing import refuse
 from partita.utils.logging import logger
 
-__all__ = ["noop_context", "see_memory_usage"]
+__all__ = ["noop_context", "see_memory_usage", "set_random_seed"]
+
+MISSING = {
+    "PartitionedTensor": (
+        "deepspeed.runtime.utils.PartitionedTensor (pipeline activations split across tensor ranks) is not in "
+        "partita: pipeline stages send whole activations through torch."
+        "distributed.pipelining; with tensor parallelism every tensor rank of a stage sends its own copy"
+    ),
+}
+
+__getattr__ = refuse(__name__, MISSING, lazy={"set_random_seed": ("partita.bootstrap", "_seed_everything")})
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:

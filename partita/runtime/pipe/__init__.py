@@ -10,3 +10,7 @@ from partita.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from partita.pipe.topology import ProcessTopology
 
 __all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec"]
+
+from partita.runtime._missing import submodules  # noqa: E402
+
+__getattr__ = submodules(__name__)  # the submodules, on first use
