@@ -61,7 +61,8 @@ class ProcessTopology:
             raise ValueError(f"get_rank(): unknown axes {unknown}; this topology's axes are {self.axes}")
         key = self.ProcessCoord(**coord_kwargs)
         if key not in self.mapping:
-            raise ValueError(f"get_rank(): coordinate {coord_kwargs} is outside the grid {dict(zip(self.axes, self.dims))}")
+            grid = dict(zip(self.axes, self.dims))
+            raise ValueError(f"get_rank(): coordinate {coord_kwargs} is outside the grid {grid}")
         return self.mapping[key]
 
     def get_coord(self, rank: int) -> Any:
