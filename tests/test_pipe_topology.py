@@ -117,6 +117,30 @@ def _stage_record(module, topo) -> dict:
             "sizes": module.topology_sizes}
 
 
+BASE_SEED = 77
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(4, 4, generator=generator), torch.randn(4, 4, generator=generator)
+
+
+def _reference() -> tuple[float, dict]:
+    """The same four seeded layers in one process: the batch's loss and the weights after one SGD step."""
+    layers = []
+    for i in range(4):
+        torch.manual_seed(BASE_SEED + i)  # seed_layers: layer i is built under base_seed + i
+        layers.append(nn.Linear(4, 4))
+    model = nn.Sequential(*layers)
+    x, y = _batch()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    return loss.item(), {k: v.tolist() for k, v in model.state_dict().items()}
+
+
 def two_rank_body() -> list:
     import partita
     from partita.pipe import PipelineModule
@@ -132,11 +156,15 @@ def two_rank_body() -> list:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 1000}
     topo = ds_topology.PipeDataParallelTopology(num_pp=2, num_dp=1)
-    module = PipelineModule(layers=_layers(), topology=topo, loss_fn=nn.functional.mse_loss, partition_method="uniform")
+    module = PipelineModule(layers=_layers(), topology=topo, loss_fn=nn.functional.mse_loss, partition_method="uniform",
+                            seed_layers=True, base_seed=BASE_SEED)
     engine, *_ = partita.initialize(model=module, config=config)
     mesh = engine.topology
+    x, y = _batch()
+    loss = engine.train_batch(iter([(x[:2], y[:2]), (x[2:], y[2:])]))
+    weights = {k: v.tolist() for k, v in engine.module.state_dict().items()}
     records.append({"engine_mesh": [mesh.pipe_rank, mesh.pipe_size, mesh.data_size, mesh.tensor_size],
-                    "expected_pipe": topo.get_coord(mesh.rank).pipe})
+                    "expected_pipe": topo.get_coord(mesh.rank).pipe, "loss": float(loss), "weights": weights})
     wide = PipelineModule(layers=_layers(), topology=ds_topology.PipeModelDataParallelTopology(1, 2, 1),
                           loss_fn=nn.functional.mse_loss)
     try:
@@ -158,7 +186,13 @@ def test_pipeline_module_takes_deepspeed_topologies_on_two_ranks() -> None:
     results = run_distributed(two_rank_body, 2)
     for rank, (records, errors, mismatch) in enumerate(results):
         engine = records.pop()
-        assert engine == {"engine_mesh": [rank, 2, 1, 1], "expected_pipe": rank}
+        assert engine["engine_mesh"] == [rank, 2, 1, 1] and engine["expected_pipe"] == rank
+        ref_loss, ref_weights = _reference()
+        assert engine["loss"] == pytest.approx(ref_loss, abs=1e-6)
+        mine = {k: v for k, v in ref_weights.items() if int(k.split(".")[0]) in ((0, 1) if rank == 0 else (2, 3))}
+        assert engine["weights"].keys() == mine.keys()
+        for key, value in mine.items():
+            assert torch.allclose(torch.tensor(engine["weights"][key]), torch.tensor(value), atol=1e-6), key
         assert mismatch == [
             "ConfigError",
             "the PipelineModule's topology (pipe=1, data=1, model=2) disagrees with the mesh the config builds (pipe=1, "
