@@ -27,6 +27,7 @@ is set, else ``moe_gpu.json``) and prints a table.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -63,25 +64,20 @@ def build_model(variant: str, experts: int, args, device: torch.device) -> nn.Mo
 
 
 def _swap_in_deepspeed(model: nn.Module, *, drop_tokens: bool, capacity_factor: float) -> None:
-    """Replace every block's partita MoE by DeepSpeed's, with the same initial expert and gate weights."""
+    """Replace every block's partita MoE by DeepSpeed's, with the same initial expert and gate weights
+    (partita's MoE has DeepSpeed's module layout, so its state_dict loads into DeepSpeed's as is)."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     for block in model.blocks:
         if not hasattr(block.mlp, "moe"):
             continue
         ours = block.mlp.moe
-        fc1, fc2 = ours.experts.stacked.fc1, ours.experts.stacked.fc2
-        d, ffn = fc1.weight.shape[2], fc1.weight.shape[1]
-        device = fc1.weight.device
-        expert = nn.Sequential(nn.Linear(d, ffn), nn.GELU(), nn.Linear(ffn, d)).to(device)
-        with torch.no_grad():  # every partita expert starts as the same copy: row 0 is the template
-            expert[0].weight.copy_(fc1.weight[0]), expert[0].bias.copy_(fc1.bias[0])
-            expert[2].weight.copy_(fc2.weight[0]), expert[2].bias.copy_(fc2.bias[0])
-        theirs = DeepSpeedMoE(d, expert, num_experts=ours.num_experts, ep_size=1, k=2, capacity_factor=capacity_factor,
-                              eval_capacity_factor=capacity_factor, min_capacity=ours.min_capacity,
-                              drop_tokens=drop_tokens).to(device)
-        with torch.no_grad():
-            theirs.deepspeed_moe.gate.wg.weight.copy_(ours.gate.wg.weight)
+        expert = copy.deepcopy(ours.experts.deepspeed_experts[0])  # the same expert class (ExpertMLP)
+        theirs = DeepSpeedMoE(ours.hidden_size, expert, num_experts=ours.num_experts, ep_size=1, k=2,
+                              capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                              min_capacity=ours.min_capacity, drop_tokens=drop_tokens).to(expert.fc1.weight.device)
+        # Same module layout, same state_dict keys: DeepSpeed's layer takes partita's weights as they are.
+        theirs.load_state_dict(ours.state_dict(), strict=True)
         theirs.set_deepspeed_parallelism()
         block.mlp.moe = theirs
         del ours

@@ -61,7 +61,7 @@ def _train(ep: int) -> dict:
     cfg = {"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
            "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "steps_per_print": 1000}
     engine, *_ = partita.initialize(model=model, config=cfg)
-    initial = engine.get_fp32_state_dict(rank0_only=False)
+    initial = _by_global_expert(model, engine.get_fp32_state_dict(rank0_only=False))
     rank, world, micro = engine.topology.data_rank, engine.topology.data_size, engine.train_micro_batch_size_per_gpu()
     g = torch.Generator().manual_seed(1)
     # One batch, every step: random tokens are unlearnable, so a fresh batch per step left the
@@ -74,7 +74,15 @@ def _train(ep: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"params": engine.get_fp32_state_dict(rank0_only=False), "losses": losses, "initial": initial}
+    return {"params": _by_global_expert(model, engine.get_fp32_state_dict(rank0_only=False)), "losses": losses,
+            "initial": initial}
+
+
+def _by_global_expert(model, export: dict) -> dict:
+    """The export with every expert rank's experts under their global names (``deepspeed_experts.<e>``)."""
+    from partita.moe.registry import gather_expert_copies
+
+    return {g: t for n, p in model.named_parameters() for g, t in gather_expert_copies(n, p, export[n])}
 
 
 def _distinct_experts_without_sampling(model, ep: int) -> None:
@@ -88,11 +96,13 @@ def _distinct_experts_without_sampling(model, ep: int) -> None:
                 continue
             moe = block.mlp.moe
             moe.top2_2nd_expert_sampling = False
-            rows = slice(expert_rank * moe.num_local_experts, (expert_rank + 1) * moe.num_local_experts)
+            first = expert_rank * moe.num_local_experts
             g = torch.Generator().manual_seed(100 + i)
-            for name, param in moe.experts.stacked.named_parameters():
-                noise = torch.randn((moe.num_experts, *param.shape[1:]), generator=g) * 0.05
-                param.add_(noise[rows])
+            for name, _ in moe.experts.deepspeed_experts[0].named_parameters():
+                params = moe.experts.expert_params(name)
+                noise = torch.randn((moe.num_experts, *params[0].shape), generator=g) * 0.05
+                for j, param in enumerate(params):
+                    param.add_(noise[first + j])
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,13 @@ class RoutingStats:
     assignments: float = 0.0  # (token, choice) assignments routed
 
 
+def _gate_option(name: str) -> property:
+    """A routing option of ``MoE`` that is the gate's (``deepspeed_moe.gate.<name>``)."""
+    return property(lambda self: getattr(self.deepspeed_moe.gate, name),
+                    lambda self, value: setattr(self.deepspeed_moe.gate, name, value),
+                    doc=f"``deepspeed_moe.gate.{name}``")
+
+
 class MoE(nn.Module):
     """DeepSpeed's ``deepspeed.moe.layer.MoE`` (see the module docstring for the lifecycle).
 
@@ -118,13 +125,17 @@ class MoE(nn.Module):
         self._stats: list[torch.Tensor] | None = None  # [tokens per expert, dropped, assignments, l_aux]
         self._stat_forwards = 0
 
-    # Routing options live on the gate (DeepSpeed's place); read here for convenience.
-    k = property(lambda self: self.deepspeed_moe.gate.k)
-    capacity_factor = property(lambda self: self.deepspeed_moe.gate.capacity_factor)
-    eval_capacity_factor = property(lambda self: self.deepspeed_moe.gate.eval_capacity_factor)
-    min_capacity = property(lambda self: self.deepspeed_moe.gate.min_capacity)
-    drop_tokens = property(lambda self: self.deepspeed_moe.gate.drop_tokens)
-    router_z_loss_coef = property(lambda self: self.deepspeed_moe.gate.router_z_loss_coef)
+    # Routing options live on the gate (DeepSpeed's place); readable and settable here as well.
+    k = _gate_option("k")
+    capacity_factor = _gate_option("capacity_factor")
+    eval_capacity_factor = _gate_option("eval_capacity_factor")
+    min_capacity = _gate_option("min_capacity")
+    noisy_gate_policy = _gate_option("noisy_gate_policy")
+    drop_tokens = _gate_option("drop_tokens")
+    use_rts = _gate_option("use_rts")
+    top2_2nd_expert_sampling = _gate_option("top2_2nd_expert_sampling")
+    drop_policy = _gate_option("drop_policy")
+    router_z_loss_coef = _gate_option("router_z_loss_coef")
 
     @property
     def gate(self) -> TopKGate:
