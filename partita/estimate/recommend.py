@@ -218,7 +218,7 @@ def _tiered(info: ModelInfo, setup: Setup, gpu: int, cpu: int, nvme: int) -> Can
 
     capacities = TierCapacities(gpu, cpu, nvme, sources=("--gpu-memory", "--cpu-memory", "--nvme-memory"))
     try:
-        plan = plan_tiers(info, setup, capacities, reserved=True)
+        plan = plan_tiers(info, setup, capacities, reserved=True, bisections=20)  # shares to 1e-6
     except TierFitError as error:
         closest = error.closest if getattr(error, "closest", None) is not None else estimate_for_info(
             info, setup.replace(offload_tiers=(0.0, 1.0, 0.0)))

@@ -123,20 +123,22 @@ def _elements(estimate: MemoryEstimate, info: ModelInfo) -> tuple[int, int, int]
     return tuple(per[t] for t in TIERS)
 
 
-def _largest(fits, lo: float, hi: float) -> float:
+def _largest(fits, lo: float, hi: float, steps: int = _BISECTIONS) -> float:
     """The largest share in [lo, hi] for which ``fits`` holds, given that it holds at ``lo``."""
-    for _ in range(_BISECTIONS):
+    for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
-def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities, *, reserved: bool = False) -> TierPlan:
+def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities, *, reserved: bool = False,
+               bisections: int = _BISECTIONS) -> TierPlan:
     """Decide the split of ``setup`` (device auto) for ``capacities``; raise :class:`TierFitError` if none fits.
 
     ``reserved``: compare the accelerator's predicted reserved memory (allocator rounding and
     fragmentation included) with its capacity instead of the allocated peak (``partita estimate``'s
-    recommendation does; ``initialize`` keeps ``tiers.headroom`` for it)."""
+    recommendation does; ``initialize`` keeps ``tiers.headroom`` for it). ``bisections``: steps of
+    each search (shares resolved to ``2**-bisections``)."""
     if setup.offload_optimizer != "auto":
         raise EstimateError(f"plan_tiers decides offload_optimizer auto, not {setup.offload_optimizer!r}")
     cap_a, cap_c, cap_n = capacities.as_tuple()
@@ -163,7 +165,7 @@ def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities, *, res
     elif acc_fits(1.0):
         a = 1.0
     elif acc_fits(0.0):
-        a = _largest(acc_fits, 0.0, 1.0)
+        a = _largest(acc_fits, 0.0, 1.0, bisections)
     else:
         _refuse(estimate(split(0.0, 1.0)), capacities, "accelerator", setup, reserved=reserved)
     rest = 1.0 - a
@@ -176,7 +178,7 @@ def plan_tiers(info: ModelInfo, setup: Setup, capacities: TierCapacities, *, res
     if rest == 0.0 or host_fits(rest):
         c = rest
     elif host_fits(0.0):
-        c = _largest(host_fits, 0.0, rest)
+        c = _largest(host_fits, 0.0, rest, bisections)
     else:
         _refuse(estimate(split(a, 0.0)), capacities, "cpu", setup, nvme_usable=cap_n, reserved=reserved)
     if estimate(split(a, c)).nvme > cap_n:

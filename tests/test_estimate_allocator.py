@@ -1,0 +1,173 @@
+"""partita.estimate's caching-allocator model (rounding, segments, PYTORCH_CUDA_ALLOC_CONF, the
+calibrated fragmentation and its fit from the recorded H200 runs), the fit decisions made on
+predicted reserved memory (the tune sweep that ran out of memory), and the recommendation for a
+13 B GPT on one H200: the tiered "auto" split within the given disk."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from partita.estimate import EstimateError, GPTShape, Setup, estimate_memory, recommend_config
+from partita.estimate.allocator import (
+    FRAGMENTATION, MIB, AllocatorModel, allocator_from_conf, page_size, round_size, segment_size,
+)
+from partita.estimate.allocator_calibration import fit, residuals
+
+GIB = 2**30
+H200 = 139.8 * GIB  # torch.cuda.get_device_properties(0).total_memory on the recorded H200s
+
+
+# ----------------------------------------------------------------------------- rounding
+
+
+@pytest.mark.parametrize("nbytes,rounded", [
+    (0, 512), (1, 512), (511, 512), (512, 512), (513, 1024), (4 * 1000, 4096), (MIB, MIB), (MIB + 1, MIB + 512),
+    (12_582_913, 12_583_424),
+])
+def test_round_size(nbytes, rounded):
+    assert round_size(nbytes) == rounded
+
+
+@pytest.mark.parametrize("nbytes,segment,page", [
+    (4, 2 * MIB, 2 * MIB), (MIB, 2 * MIB, 2 * MIB),  # small pool: 2 MiB segments
+    (MIB + 1, 20 * MIB, 20 * MIB), (10 * MIB - 512, 20 * MIB, 20 * MIB),  # 1-10 MiB: a 20 MiB segment
+    (10 * MIB, 10 * MIB, 20 * MIB), (10 * MIB + 1, 12 * MIB, 20 * MIB),  # larger: rounded up to 2 MiB
+    (34 * GIB + 3, 34 * GIB + 2 * MIB, 20 * MIB),
+])
+def test_segment_and_page_sizes(nbytes, segment, page):
+    assert segment_size(nbytes) == segment and page_size(nbytes) == page
+
+
+def test_round_size_refuses_negative():
+    with pytest.raises(EstimateError, match="-1 bytes"):
+        round_size(-1)
+
+
+def test_allocator_conf():
+    assert allocator_from_conf(environ={}) == AllocatorModel("expandable")  # partita run's default
+    assert allocator_from_conf("") == AllocatorModel("default")
+    assert allocator_from_conf("expandable_segments:True") == AllocatorModel("expandable")
+    assert allocator_from_conf("expandable_segments:False,max_split_size_mb:512") == AllocatorModel("default", 512)
+    assert allocator_from_conf("garbage_collection_threshold:0.6") == AllocatorModel("default")
+    with pytest.raises(EstimateError, match="not key:value"):
+        allocator_from_conf("expandable_segments")
+    with pytest.raises(EstimateError, match="whole number"):
+        allocator_from_conf("max_split_size_mb:big")
+    with pytest.raises(EstimateError, match="allocator 'cuda' is not one of"):
+        Setup(allocator="cuda")
+    with pytest.raises(EstimateError, match="applies to allocator default"):
+        Setup(max_split_size_mb=512)
+    with pytest.raises(EstimateError, match=">= 20"):
+        Setup(allocator="default", max_split_size_mb=8)
+
+
+def test_reserved_parts():
+    shape = GPTShape.preset("gpt2-124m")
+    none = estimate_memory(shape, micro_batch=8, allocator="none")
+    assert none.reserved_accelerator == none.peak_accelerator
+    e = estimate_memory(shape, micro_batch=8)
+    r = e.reserved
+    a, f = FRAGMENTATION["expandable"]
+    states = e.model_states("accelerator")
+    assert r.allocated == e.peak_accelerator and r.pages == 22 * MIB
+    assert r.fragmentation == int(a * states + f * (e.peak_accelerator - states))
+    assert 0 < r.rounding < MIB  # the step tensors (4 B -> 512 B) and unaligned small tensors
+    assert e.reserved_accelerator == r.allocated + r.rounding + r.pages + r.fragmentation
+    fixed = estimate_memory(shape, micro_batch=8, allocator="default")
+    assert fixed.reserved_accelerator > e.reserved_accelerator  # fixed segments fragment more
+    assert "reserved" in e.table() and "fragmentation" in e.table()
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def test_fragmentation_constants_are_the_fit_of_the_records():
+    assert fit() == FRAGMENTATION
+
+
+def test_recorded_runs_within_five_percent():
+    rows = residuals()
+    assert len(rows) == 13
+    for source, measured, predicted, error in rows:
+        assert 0.0 <= error < 0.05, (source, measured, predicted)
+
+
+# ----------------------------------------------------------------------------- the tune sweep
+
+
+def test_tune_sweep_prunes_what_ran_out_of_memory():
+    """partita tune on one H200, GPT-2 124M, micro-batches 32/128/192 x stages 0/3 x checkpointing
+    none/every (README, Autotuning): micro-batch 128 without checkpointing was estimated at 124 GiB,
+    launched, and ran out of memory at both stages. On predicted reserved memory it is pruned; the
+    trials that finished still run; the micro-batch 192 ones stay pruned."""
+    from partita.autotune.config import AutotuningConfig
+    from partita.autotune.space import TrialPoint
+    from partita.autotune.tuner import TuneOptions, _Estimator
+
+    budget = 0.95 * H200
+    expected = {(32, "none"): "run", (32, "every"): "run", (128, "none"): "pruned", (128, "every"): "run",
+                (192, "none"): "pruned", (192, "every"): "pruned"}
+    for allocator, oom_case in (("expandable", "pruned"), ("none", "run")):
+        opts = TuneOptions(script="x.py", script_args=(), base_config={"bf16": {"enabled": True}},
+                           autotuning=AutotuningConfig(), nproc=1, model=GPTShape.preset("gpt2-124m"),
+                           allocator=allocator)
+        estimator = _Estimator(opts)
+        for stage in (0, 3):
+            for (mb, ckpt), outcome in expected.items():
+                point = TrialPoint(stage=stage, micro_batch=mb, gradient_accumulation_steps=1, checkpointing=ckpt,
+                                   offload="none", world_size=1)
+                verdict = "pruned" if estimator(point) > budget else "run"
+                want = oom_case if (mb, ckpt) == (128, "none") else outcome
+                assert verdict == want, (allocator, stage, mb, ckpt, estimator(point) / GIB)
+
+
+# ----------------------------------------------------------------------------- 13 B on one H200
+
+
+_13B = GPTShape(5120, 40, 40, 50304, 2048)
+
+
+def test_13b_recommends_the_tiered_split_within_the_disk():
+    old = estimate_memory(_13B, stage=1, offload_optimizer="nvme")  # what was recommended before
+    assert round(old.nvme / GIB, 1) == 95.8 and old.reserved_accelerator < 0.35 * 141e9
+    rec = recommend_config(_13B, "141GB", cpu_memory="120GB", nvme_memory="64GB")
+    setup, estimate = rec.setup, rec.chosen.estimate
+    assert setup.offload_optimizer == "auto" and (setup.stage, str(setup.checkpointing)) == (1, "none")
+    accelerator, cpu, nvme = setup.offload_tiers
+    assert 0.40 < accelerator < 0.45 and nvme == 0.0  # 43% of the optimizer state stays on the GPU
+    assert 0.9 * rec.usable < estimate.reserved_accelerator <= rec.usable  # the GPU is used, not 35% of it
+    assert estimate.peak_cpu <= 120e9 and estimate.nvme <= 64e9
+    assert "tiered" in rec.explanation() and "no NVMe" in rec.explanation()
+
+
+def test_13b_disk_is_honoured_and_refusal_names_the_short_tier():
+    # Less host memory: the split needs NVMe, and never more than the disk given.
+    rec = recommend_config(_13B, "141GB", cpu_memory="80GB", nvme_memory="64GB", sub_group_size=10**8)
+    assert rec.setup.offload_tiers[2] > 0 and 0 < rec.chosen.estimate.nvme <= 64e9
+    none = recommend_config(_13B, "141GB", cpu_memory="20GB", nvme_memory="5GB", sub_group_size=10**8)
+    assert none.chosen is None
+    text = none.explanation()
+    assert "Nothing fits" in text and "Closest tiered split" in text and "tier is short" in text
+
+
+def test_cli_nvme_memory_and_path(tmp_path, monkeypatch, capsys):
+    from partita.launcher.cli import main
+
+    flags = ["estimate", "--model", "gpt", "--d-model", "5120", "--n-layers", "40", "--n-heads", "40", "--vocab",
+             "50304", "--seq-len", "2048", "--gpu-memory", "141GB", "--cpu-memory", "80GB",
+             "--json"]
+    Usage = namedtuple("Usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 0, 64 * 10**9) if str(p) == str(tmp_path)
+                        else real(p))
+    import json
+
+    assert main(flags + ["--nvme-path", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nvme_memory_bytes"] == 64 * 10**9 and 0 < out["chosen"]["nvme_bytes"] <= 64 * 10**9
+    assert main(flags + ["--nvme-memory", "1GB"]) == 1  # the split needs more disk than that
+    assert main(flags + ["--nvme-path", str(tmp_path / "missing")]) == 2
+    assert "is not an existing directory" in capsys.readouterr().err
