@@ -10,6 +10,7 @@ microsoft/Megatron-DeepSpeed
 - pretrain_gpt.py: ``deepspeed.runtime.utils.see_memory_usage``
 - megatron/core/pipeline_parallel/deepspeed_engine.py: ``deepspeed.runtime.pipe.engine.PipelineEngine``,
   ``deepspeed.runtime.utils.PartitionedTensor``
+- tasks/eval_harness/evaluate.py: ``from deepspeed.runtime.pipe import schedule`` (the module)
 - megatron/core/pipeline_parallel/deepspeed_zbh1_schedule.py: ``deepspeed.runtime.pipe.schedule.``
   PipeSchedule, PipeInstruction, BufferOpInstruction, LoadMicroBatch, RecvActivation, SendActivation,
   RecvGrad, SendGrad, ForwardPass, BackwardPass, ReduceGrads, ReduceTiedGrads, OptimizerStep
@@ -147,6 +148,20 @@ def test_audited_name_is_partitas_object_or_refused(path: str, name: str, expect
         exec(statement, {})  # noqa: S102
     assert str(by_import.value) == message
     assert isinstance(by_import.value, ImportError) and isinstance(by_import.value, NotImplementedError)
+
+
+# Whole modules imported by name (``from deepspeed.runtime.pipe import schedule`` in
+# Megatron-DeepSpeed's tasks/eval_harness/evaluate.py; the others in client pipeline engines).
+MODULE_IMPORTS = [("runtime.pipe", "schedule"), ("runtime.pipe", "topology"), ("runtime", "utils"),
+                  ("runtime", "lr_schedules"), ("runtime.activation_checkpointing", "checkpointing"),
+                  ("runtime.zero", "partition_parameters"), ("runtime.zero", "stage3"), ("runtime.fp16", "loss_scaler")]
+
+
+@pytest.mark.parametrize(("package", "name"), MODULE_IMPORTS, ids=[f"{p}.{n}" for p, n in MODULE_IMPORTS])
+def test_from_package_import_module(package: str, name: str) -> None:
+    scope: dict = {}
+    exec(f"from partita.{package} import {name}", scope)  # noqa: S102
+    assert scope[name] is importlib.import_module(f"partita.{package}.{name}")
 
 
 def test_unknown_names_keep_pythons_errors() -> None:

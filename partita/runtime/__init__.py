@@ -9,16 +9,9 @@ is implemented twice. Submodules are attributes of this package on first use.
 
 from __future__ import annotations
 
-from typing import Any
+from partita.runtime._missing import submodules
 
-
-def __getattr__(name: str) -> Any:
-    import importlib
-    import importlib.util
-
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = submodules(__name__)
 
 
 def __dir__() -> list[str]:
