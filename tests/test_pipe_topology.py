@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ def test_coordinates_are_namedtuples_and_mapping_is_public() -> None:
     assert (coord.pipe, coord.data, coord.model) == (1, 0, 1)
     assert coord._replace(pipe=0) == topo.ProcessCoord(pipe=0, data=0, model=1)
     assert topo.mapping[coord] == 5 and topo.get_rank(**coord._asdict()) == 5
+    assert topo.get_coord(np.int64(5)) == coord and topo.get_coord(torch.tensor(5)) == coord
     axes = ["x", "y"]
     assert ds_topology.ProcessTopology(axes, [2, 3]).get_axis_names() is axes  # DeepSpeed returns the caller's list
 

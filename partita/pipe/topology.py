@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
@@ -67,9 +68,13 @@ class ProcessTopology:
 
     def get_coord(self, rank: int) -> Any:
         """The ``ProcessCoord`` namedtuple of ``rank`` (``coord.pipe``, ``coord.data``, ...)."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self._coords):
+        try:
+            index = operator.index(rank)  # an int, or NumPy's / torch's integer scalars
+        except TypeError:
+            raise ValueError(f"rank {rank} not found in topology.") from None
+        if not 0 <= index < len(self._coords):
             raise ValueError(f"rank {rank} not found in topology.")
-        return self._coords[rank]
+        return self._coords[index]
 
     # ------------------------------------------------------------------ axes
     def get_axis_names(self) -> list[str]:
