@@ -2,9 +2,10 @@
 
 The fixtures (tests/fixtures/deepspeed_ckpt, made by tests/fixtures/make_deepspeed_checkpoints.py
 under DeepSpeed 0.19.8 on 2 gloo ranks) hold DeepSpeed's checkpoint after 3 steps at ZeRO 0-3
+(and ZeRO 3 with sub-groups, tied and frozen parameters at ZeRO 2 and 3, bf16 at ZeRO 0 and 2)
 and DeepSpeed's own resume from it: the parameters after 2 more steps, the losses and the lrs.
-Imported, the checkpoint must resume under partita at 1 and 4 ranks (other ZeRO stages, the
-same global batch) to DeepSpeed's parameters within 1e-5 relative, fp32. CI has no DeepSpeed.
+Imported, the fp32 checkpoints must resume under partita at 1 and 4 ranks (other ZeRO stages,
+the same global batch) to DeepSpeed's parameters within 1e-5 relative. CI has no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from tests.harness import run_distributed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
-STAGES = ("0", "1", "2", "3")
+RUNS = EXPECTED["runs"]
+STAGES = ("zero0", "zero1", "zero2", "zero3")
+FP32 = (*STAGES, "zero3_subgroups", "zero2_tied_frozen", "zero3_tied_frozen")
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("imported")
-    return {s: import_deepspeed(FIXTURES / f"zero{s}", root / f"zero{s}") for s in STAGES}
+    return {run: import_deepspeed(FIXTURES / run, root / run) for run in RUNS}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,34 +47,61 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- what is imported
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_masters_and_weights_are_deepspeeds(imported, stage):
+@pytest.mark.parametrize("run", FP32)
+def test_masters_and_weights_are_deepspeeds(imported, run):
     """zero_to_fp32's reconstruction: every parameter exactly DeepSpeed's after step 3."""
-    rank = load_file(str(imported[stage] / "rank00000.safetensors"))
-    model = load_file(str(imported[stage] / "model.safetensors"))
-    saved = EXPECTED["stages"][stage]["saved"]["params"]
-    assert sorted(model) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "scale"]
+    rank = load_file(str(imported[run] / "rank00000.safetensors"))
+    model = load_file(str(imported[run] / "model.safetensors"))
+    meta = json.loads((imported[run] / "meta.json").read_text())
+    saved = RUNS[run]["saved"]["params"]
+    tied = run.endswith("tied_frozen")
+    assert sorted(model) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", *(["mix1.weight"] if tied else []), "scale"]
+    assert meta["model"]["aliases"] == ({"mix2.weight": "mix1.weight"} if tied else {})
     assert torch.equal(model["scale"], torch.tensor([1.0, 0.5, 2.0]))
     for name, values in saved.items():
-        assert torch.equal(rank[f"master/{name}"], torch.tensor(values)), name
-        assert torch.equal(model[name].reshape(-1), torch.tensor(values)), name
+        source = meta["model"]["aliases"].get(name, name)
+        assert torch.equal(model[source].reshape(-1), torch.tensor(values)), name
+        if tied and name == "fc1.bias":  # frozen: no master (at ZeRO 3 gathered from the ranks' fragments)
+            assert f"master/{name}" not in rank and name not in meta["optimizer"]["params"]
+        elif name != "mix2.weight":
+            assert torch.equal(rank[f"master/{name}"], torch.tensor(values)), name
+
+
+@pytest.mark.parametrize("run", ["zero2_bf16", "zero0_bf16"])
+def test_bf16_masters_are_deepspeeds_fp32_masters(imported, run):
+    """bf16: the model file holds the bf16 weights, the rank file DeepSpeed's fp32 masters (not the rounded weights)."""
+    rank = load_file(str(imported[run] / "rank00000.safetensors"))
+    model = load_file(str(imported[run] / "model.safetensors"))
+    meta = json.loads((imported[run] / "meta.json").read_text())
+    assert meta["precision"] == "bfloat16" and meta["loss_scaler"] is None
+    assert model["fc1.weight"].dtype == torch.bfloat16 and model["scale"].dtype == torch.float32
+    saved = RUNS[run]["saved"]
+    for name, values in saved["params"].items():
+        master = rank[f"master/{name}"]
+        assert master.dtype == torch.float32
+        assert torch.equal(master.bfloat16().float(), torch.tensor(values)), name  # DeepSpeed's bf16 weights
+        assert torch.equal(model[name].reshape(-1).float(), torch.tensor(values)), name
+        if "masters" in saved:  # ZeRO 1-3: DeepSpeed's own fp32 masters, exactly
+            assert torch.equal(master, torch.tensor(saved["masters"][name])), name
+    assert any(not torch.equal(rank[f"master/{n}"].bfloat16().float(), rank[f"master/{n}"]) for n in saved["params"])
 
 
 def test_optimizer_state_agrees_across_stages(imported):
     """The same 3 steps at ZeRO 0-3: Adam's moments rebuilt from four layouts agree (fp32 rounding)."""
-    files = {s: load_file(str(imported[s] / "rank00000.safetensors")) for s in STAGES}
-    keys = sorted(files["0"])
+    files = {s: load_file(str(imported[s] / "rank00000.safetensors")) for s in (*STAGES, "zero3_subgroups")}
+    keys = sorted(files["zero0"])
     assert [k for k in keys if k.startswith("state/exp_avg/")] == [
         "state/exp_avg/fc1.bias", "state/exp_avg/fc1.weight", "state/exp_avg/fc2.bias", "state/exp_avg/fc2.weight"]
-    for stage in STAGES[1:]:
+    for stage in (*STAGES[1:], "zero3_subgroups"):
         assert sorted(files[stage]) == keys
         for key in keys:
-            assert _rel(files[stage][key], files["0"][key]) < 1e-6, (stage, key)
-    assert float(files["0"]["state/exp_avg_sq/fc2.bias"].min()) > 0  # really trained state
+            assert _rel(files[stage][key], files["zero0"][key]) < 1e-6, (stage, key)
+    assert float(files["zero0"]["state/exp_avg_sq/fc2.bias"].min()) > 0  # really trained state
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_meta_carries_counters_groups_scheduler_client_state(imported, stage):
+    """Counters, groups and hyperparameters, the scheduler's position, client_state; DeepSpeed's origin."""
     meta = json.loads((imported[stage] / "meta.json").read_text())
     assert meta["counters"] == {"global_steps": 3, "global_samples": 24, "skipped_steps": 0, "micro_steps": 0}
     assert meta["optimizer"]["class"] == "torch.optim.adamw.AdamW"
@@ -82,8 +112,8 @@ def test_meta_carries_counters_groups_scheduler_client_state(imported, stage):
     assert groups[0]["partition_state"] == ["exp_avg", "exp_avg_sq"]
     assert meta["lr_scheduler"] == {"last_epoch": 3, "_step_count": 4}
     assert meta["client_state"] == {"epoch": 1, "note": "fixture"}
-    assert meta["imported_from"]["zero_stage"] == int(stage)
-    assert meta["imported_from"]["data_parallel_size"] == (2 if stage != "0" else 1)
+    assert meta["imported_from"]["zero_stage"] == int(stage[-1])
+    assert meta["imported_from"]["data_parallel_size"] == 2
     assert meta["loss_scaler"] is None and meta["precision"] == "float32"
     step = load_file(str(imported[stage] / "state.safetensors"))
     assert {float(v) for v in step.values()} == {3.0}  # Adam's step, one per group
@@ -92,15 +122,15 @@ def test_meta_carries_counters_groups_scheduler_client_state(imported, stage):
 # ---------------------------------------------------------------------------- resuming
 
 
-def _resume(paths: list[str], stages: list[int], micro: int, accumulation: int) -> list[dict]:
+def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, accumulation: int) -> list[dict]:
     """On every rank: per imported checkpoint, resume partita at ``stages[i]`` and train 2 steps."""
     import partita
 
     out = []
     rank, world = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0, None
-    for path, stage in zip(paths, stages):
+    for path, tie, stage in zip(paths, tied, stages):
         torch.manual_seed(123)  # other weights than DeepSpeed's: the checkpoint must replace them
-        model = TinyNet()
+        model = TinyNet(tied=tie)
         optimizer = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
         config = {
             "train_batch_size": GLOBAL_BATCH,
@@ -130,14 +160,15 @@ def _resume(paths: list[str], stages: list[int], micro: int, accumulation: int) 
             record["loss"].append(float(total) / world)
             record["global_steps"].append(engine.global_steps)
             with partita.zero.GatheredParameters(list(model.parameters())):
-                record["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+                record["params"].append({n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
         out.append(record)
     return out
 
 
 def _check_resumed(records: list[dict], where: str) -> None:
-    for stage, record in zip(STAGES, records):
-        want = EXPECTED["stages"][stage]["resumed"]
+    assert len(records) == len(FP32)
+    for stage, record in zip(FP32, records):
+        want = RUNS[stage]["resumed"]
         assert record["client_state"] == {"epoch": 1, "note": "fixture"}, where
         assert record["global_steps"] == [3, 4, 5], where
         assert record["lr"] == pytest.approx([w["lr"] for w in want], rel=1e-12), (where, stage)
@@ -148,17 +179,19 @@ def _check_resumed(records: list[dict], where: str) -> None:
                 assert err < 1e-5, (where, f"DeepSpeed stage {stage}", f"step {step}", name, err)
 
 
+def _resume_args(imported: dict[str, Path], stages: list[int]) -> tuple:
+    return [str(imported[r].parent) for r in FP32], [r.endswith("tied_frozen") for r in FP32], stages
+
+
 def test_resume_on_four_ranks_equals_deepspeeds_resume(imported):
-    """DeepSpeed's 2-rank checkpoint, resumed on 4 ranks (micro-batch 2), ZeRO stage 3 - DeepSpeed's."""
-    paths = [str(imported[s].parent) for s in STAGES]
-    records = run_distributed(_resume, 4, paths, [3, 3, 1, 2], 2, 1, timeout=600)[0]
+    """DeepSpeed's 2-rank checkpoints, resumed on 4 ranks (micro-batch 2) at other ZeRO stages."""
+    records = run_distributed(_resume, 4, *_resume_args(imported, [3, 3, 1, 2, 1, 3, 0]), 2, 1, timeout=600)[0]
     _check_resumed(records, "world 4")
 
 
 def test_resume_on_one_rank_equals_deepspeeds_resume(imported):
     """The same on 1 rank with 2 micro-batches of 4 accumulated, at ZeRO 0 and 3."""
-    paths = [str(imported[s].parent) for s in STAGES]
-    records = run_distributed(_resume, 1, paths, [0, 3, 3, 0], 4, 2, timeout=600)[0]
+    records = run_distributed(_resume, 1, *_resume_args(imported, [3, 0, 3, 0, 0, 3, 2]), 4, 2, timeout=600)[0]
     _check_resumed(records, "world 1")
 
 
@@ -189,15 +222,15 @@ def test_mismatched_names_are_refused_and_rename_fixes_them(imported, tmp_path):
     renamed = import_deepspeed(FIXTURES / "zero2", tmp_path / "renamed", rename={"": "0."})
     meta = json.loads((renamed / "meta.json").read_text())
     assert sorted(meta["optimizer"]["params"]) == ["0.fc1.bias", "0.fc1.weight", "0.fc2.bias", "0.fc2.weight"]
-    (result,) = run_distributed(_wrapped_resume, 1, str(imported["2"].parent), str(renamed.parent), timeout=300)
+    (result,) = run_distributed(_wrapped_resume, 1, str(imported["zero2"].parent), str(renamed.parent), timeout=300)
     assert result["refused"] == (
         "the checkpoint's model does not match this model: missing in the checkpoint: 0.scale, 0.fc1.weight, "
         "0.fc1.bias, 0.fc2.weight, 0.fc2.bias; not in this model: scale, fc1.weight, fc1.bias, fc2.weight, fc2.bias; "
         "pass load_module_strict=False to load the keys both have"
     )
     assert result["steps"] == 3
-    assert torch.equal(result["weight"], torch.tensor(EXPECTED["stages"]["2"]["saved"]["params"]["fc2.weight"]))
-    assert result["lr"] == pytest.approx(EXPECTED["stages"]["2"]["saved"]["lr_next"], rel=1e-12)
+    assert torch.equal(result["weight"], torch.tensor(RUNS["zero2"]["saved"]["params"]["fc2.weight"]))
+    assert result["lr"] == pytest.approx(RUNS["zero2"]["saved"]["lr_next"], rel=1e-12)
 
 
 def test_rename_that_merges_names_is_refused(tmp_path):
@@ -212,14 +245,14 @@ def test_rename_that_merges_names_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- tags and files
 
 
-def _copy_fixture(stage: str, root: Path) -> Path:
-    target = root / f"ds{stage}"
-    shutil.copytree(FIXTURES / f"zero{stage}", target)
+def _copy_fixture(run: str, root: Path) -> Path:
+    target = root / f"ds_{run}"
+    shutil.copytree(FIXTURES / run, target)
     return target
 
 
 def test_latest_is_honoured_and_tag_picks_another(tmp_path):
-    ds = _copy_fixture("1", tmp_path)
+    ds = _copy_fixture("zero1", tmp_path)
     shutil.copytree(ds / TAG, ds / "older")
     (ds / "latest").write_text("older")
     assert import_deepspeed(ds, tmp_path / "out").name == "older"
@@ -230,7 +263,7 @@ def test_latest_is_honoured_and_tag_picks_another(tmp_path):
 
 
 def test_missing_tag_and_missing_latest_are_refused(tmp_path):
-    ds = _copy_fixture("2", tmp_path)
+    ds = _copy_fixture("zero2", tmp_path)
     with pytest.raises(DeepSpeedImportError) as error:
         import_deepspeed(ds, tmp_path / "out", tag="global_step9")
     assert str(error.value) == f"{ds} has no tag 'global_step9' (tags there: {TAG}); pass one of them with --tag"
@@ -250,7 +283,7 @@ def test_missing_tag_and_missing_latest_are_refused(tmp_path):
 
 
 def test_missing_rank_file_is_refused(tmp_path):
-    ds = _copy_fixture("3", tmp_path)
+    ds = _copy_fixture("zero3", tmp_path)
     (ds / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(DeepSpeedImportError) as error:
         import_deepspeed(ds, tmp_path / "out")
@@ -261,7 +294,7 @@ def test_missing_rank_file_is_refused(tmp_path):
 
 
 def test_model_parallel_checkpoint_is_not_implemented(tmp_path):
-    ds = _copy_fixture("1", tmp_path)
+    ds = _copy_fixture("zero1", tmp_path)
     shutil.copy(ds / TAG / "mp_rank_00_model_states.pt", ds / TAG / "mp_rank_01_model_states.pt")
     with pytest.raises(NotImplementedError) as error:
         import_deepspeed(ds, tmp_path / "out")
@@ -290,7 +323,7 @@ class _RunsCode:
 def test_unknown_pickled_global_is_refused_by_name(tmp_path):
     import argparse
 
-    ds = _copy_fixture("0", tmp_path)
+    ds = _copy_fixture("zero0", tmp_path)
     path = ds / TAG / "mp_rank_00_model_states.pt"
     state = torch.load(path, weights_only=True)
     torch.save({**state, "args": argparse.Namespace(lr=0.1)}, path)
@@ -343,7 +376,7 @@ def test_stage0_param_names_given(tmp_path):
     names = [["fc1.weight", "fc2.weight"], ["fc1.bias", "fc2.bias"]]
     out = import_deepspeed(FIXTURES / "zero0", tmp_path / "out", stage0_param_names=names)
     rank = load_file(str(out / "rank00000.safetensors"))
-    assert torch.equal(rank["master/fc2.bias"], torch.tensor(EXPECTED["stages"]["0"]["saved"]["params"]["fc2.bias"]))
+    assert torch.equal(rank["master/fc2.bias"], torch.tensor(RUNS["zero0"]["saved"]["params"]["fc2.bias"]))
     with pytest.raises(DeepSpeedImportError) as error:
         import_deepspeed(FIXTURES / "zero0", tmp_path / "out", stage0_param_names=[["fc1.weight"], names[1]])
     assert str(error.value) == "stage0_param_names has [1, 2] names per group; the optimizer's groups hold [2, 2] parameters"

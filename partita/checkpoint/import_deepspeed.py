@@ -104,7 +104,7 @@ def import_deepspeed(
     if problem is not None:
         raise DeepSpeedImportError(f"{problem}; pass another partita tag with --out-tag")
     meta, model_entries, state_entries, rank_entries = _plan(
-        model_states, config, groups, module, cls, tag=name, stage=stage, world=max(1, len(optim)), source=tag_dir,
+        model_states, config, groups, module, cls, tag=name, stage=stage, world=world, source=tag_dir,
         optim0=optim[0] if optim else None)
     return _write(Path(out_dir), name, meta, model_entries, state_entries, rank_entries)
 
@@ -113,29 +113,26 @@ def import_deepspeed(
 
 
 def _zero_stage(model_states: dict[str, Any], config: dict[str, Any], files) -> int:
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-    has_shapes = model_states.get("param_shapes") is not None
-    if files.bf16_optimizer:
-        return 0  # refused by _check_precision with the reason
-    if not files.optim_states:
-        if has_shapes or stage > 0:
-            raise DeepSpeedImportError(
-                f"{files.tag_dir} is a ZeRO-{stage or '1-3'} checkpoint without its optimizer files "
-                "(zero_pp_rank_<r>_mp_rank_00_optim_states.pt); copy every rank's files into the tag directory"
-            )
-        return 0
-    return stage if stage in (1, 2, 3) else (3 if len(files.model_states) > 1 else 2)
+    """The stage DeepSpeed's config names (the layout of 1 and 2 is the same; 3 has per-rank model files)."""
+    section = config.get("zero_optimization")
+    if isinstance(section, dict) and "stage" in section:
+        stage = int(section["stage"])
+    else:  # no config saved: the files tell
+        stage = 0 if not files.optim_states else (3 if len(files.model_states) > 1 else 2)
+    if stage > 0 and not files.optim_states:
+        raise DeepSpeedImportError(
+            f"{files.tag_dir} is a ZeRO-{stage} checkpoint without its optimizer files "
+            "(zero_pp_rank_<r>_mp_rank_00_optim_states.pt); copy every rank's files into the tag directory"
+        )
+    return stage
 
 
 def _check_precision(model_states: dict[str, Any], config: dict[str, Any], stage: int, files) -> None:
-    fp16 = bool((config.get("fp16") or {}).get("enabled"))
-    bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled"))
-    if stage == 0 and (fp16 or bf16 or files.bf16_optimizer):
+    if stage == 0 and files.optim_states:
         raise NotImplementedError(
-            f"{files.tag_dir} was saved by DeepSpeed at ZeRO 0 in {'fp16' if fp16 else 'bf16'} (its "
-            f"{'FP16' if fp16 else 'BF16'}_Optimizer keeps fp32 masters in its own layout, which the importer does "
-            "not read); import a ZeRO 1-3 checkpoint of the run (same files layout in every precision), or "
-            "load the weights alone with load_module_only"
+            f"{files.tag_dir} holds per-rank optimizer files at ZeRO 0 ({files.optim_states[0].name}, ...): DeepSpeed's "
+            "BF16_Optimizer, whose flat fp32 layout the importer does not read. Import a ZeRO 1-3 checkpoint of the "
+            "run, or take the weights alone (DeepSpeed's zero_to_fp32.py, then load_module_only)"
         )
     if model_states.get("mp_world_size", 1) != 1:
         raise NotImplementedError(
@@ -149,27 +146,32 @@ def _check_precision(model_states: dict[str, Any], config: dict[str, Any], stage
 
 def _stage0_groups(model_states: dict[str, Any], names: list[list[str]] | None) -> list[ImportedGroup]:
     optimizer = model_states.get("optimizer")
-    if not isinstance(optimizer, dict) or "param_groups" not in optimizer:
+    if not isinstance(optimizer, dict) or "param_groups" not in optimizer.get("optimizer_state_dict", optimizer):
         raise DeepSpeedImportError(
             "the DeepSpeed model file holds no optimizer state (saved without an optimizer, or with "
             "load_optimizer_states disabled); only weights can be taken from it: load it with DeepSpeed's "
             "zero_to_fp32.py output and load_module_only"
         )
     module = model_states["module"]
+    inner = optimizer.get("optimizer_state_dict", optimizer)
     if names is None:
-        names = stage0_names(module, model_states.get("buffer_names") or [], optimizer["param_groups"], optimizer["state"])
-    if [len(n) for n in names] != [len(g["params"]) for g in optimizer["param_groups"]]:
+        names = stage0_names(module, model_states.get("buffer_names") or [], inner["param_groups"], inner["state"])
+    if [len(n) for n in names] != [len(g["params"]) for g in inner["param_groups"]]:
         raise DeepSpeedImportError(
             f"stage0_param_names has {[len(n) for n in names]} names per group; the optimizer's groups hold "
-            f"{[len(g['params']) for g in optimizer['param_groups']]} parameters"
+            f"{[len(g['params']) for g in inner['param_groups']]} parameters"
         )
-    groups = groups_from_stage0(optimizer, names)
-    for group in groups:
-        for name in group.names:
+    # fp16/bf16 at ZeRO 0: DeepSpeed's FP16 optimizer wraps the torch optimizer and keeps the fp32
+    # masters as whole tensors, in the param groups' order (``fp32_groups``).
+    wrapped = "optimizer_state_dict" in optimizer and "fp32_groups" in optimizer
+    groups = groups_from_stage0(optimizer["optimizer_state_dict"] if wrapped else optimizer, names)
+    for g, group in enumerate(groups):
+        for i, name in enumerate(group.names):
             if name not in module:
                 raise DeepSpeedImportError(f"stage0_param_names names {name!r}, which is not in the module's state_dict")
             group.shapes.append(tuple(module[name].shape))
-            group.masters[name] = module[name].detach().float().clone()
+            master = optimizer["fp32_groups"][g][i] if wrapped else module[name]
+            group.masters[name] = master.detach().float().clone().view(group.shapes[-1])
     return groups
 
 
