@@ -12,7 +12,7 @@ import pytest
 
 from partita.estimate import EstimateError, GPTShape, Setup, estimate_memory, recommend_config
 from partita.estimate.allocator import (
-    FRAGMENTATION, MIB, AllocatorModel, allocator_from_conf, page_size, round_size, segment_size,
+    FRAGMENTATION, MIB, AllocatorConfigError, AllocatorModel, allocator_from_conf, page_size, round_size, segment_size,
 )
 from partita.estimate.allocator_calibration import fit, residuals
 
@@ -42,7 +42,7 @@ def test_segment_and_page_sizes(nbytes, segment, page):
 
 
 def test_round_size_refuses_negative():
-    with pytest.raises(EstimateError, match="-1 bytes"):
+    with pytest.raises(AllocatorConfigError, match="-1 bytes"):
         round_size(-1)
 
 
@@ -52,9 +52,9 @@ def test_allocator_conf():
     assert allocator_from_conf("expandable_segments:True") == AllocatorModel("expandable")
     assert allocator_from_conf("expandable_segments:False,max_split_size_mb:512") == AllocatorModel("default", 512)
     assert allocator_from_conf("garbage_collection_threshold:0.6") == AllocatorModel("default")
-    with pytest.raises(EstimateError, match="not key:value"):
+    with pytest.raises(AllocatorConfigError, match="not key:value"):
         allocator_from_conf("expandable_segments")
-    with pytest.raises(EstimateError, match="whole number"):
+    with pytest.raises(AllocatorConfigError, match="whole number"):
         allocator_from_conf("max_split_size_mb:big")
     with pytest.raises(EstimateError, match="allocator 'cuda' is not one of"):
         Setup(allocator="cuda")

@@ -31,15 +31,18 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
-from partita.estimate.inputs import EstimateError
-
 if TYPE_CHECKING:
     from partita.estimate.result import MemoryEstimate
 
 __all__ = [
-    "ALLOCATORS", "FRAGMENTATION", "KIB", "MIB", "AllocatorModel", "ReservedEstimate", "allocator_from_conf",
+    "ALLOCATORS", "AllocatorConfigError", "FRAGMENTATION", "KIB", "MIB", "AllocatorModel", "ReservedEstimate", "allocator_from_conf",
     "page_size", "reserved_estimate", "round_size", "segment_size",
 ]
+
+class AllocatorConfigError(ValueError):
+    """An allocator setting the model does not accept (``Setup`` re-raises it as ``EstimateError``;
+    kept separate so this module imports nothing of the estimator)."""
+
 
 KIB, MIB = 2**10, 2**20
 MIN_BLOCK = 512  # kMinBlockSize
@@ -66,7 +69,7 @@ def round_size(nbytes: int) -> int:
     """Bytes the allocator hands out for a request of ``nbytes`` (``round_size``: 512-byte multiples,
     at least 512). The allocated statistic counts these."""
     if nbytes < 0:
-        raise EstimateError(f"a tensor cannot have {nbytes} bytes")
+        raise AllocatorConfigError(f"a tensor cannot have {nbytes} bytes")
     return MIN_BLOCK if nbytes < MIN_BLOCK else MIN_BLOCK * math.ceil(nbytes / MIN_BLOCK)
 
 
@@ -96,11 +99,11 @@ class AllocatorModel:
 
     def __post_init__(self) -> None:
         if self.kind not in ALLOCATORS:
-            raise EstimateError(f"allocator {self.kind!r} is not one of {', '.join(ALLOCATORS)}")
+            raise AllocatorConfigError(f"allocator {self.kind!r} is not one of {', '.join(ALLOCATORS)}")
         if self.max_split_size_mb is not None and (isinstance(self.max_split_size_mb, bool)
                                                    or not isinstance(self.max_split_size_mb, int)
                                                    or self.max_split_size_mb < 20):
-            raise EstimateError(f"max_split_size_mb must be an integer >= 20 (torch's minimum), "
+            raise AllocatorConfigError(f"max_split_size_mb must be an integer >= 20 (torch's minimum), "
                                 f"got {self.max_split_size_mb!r}")
 
     @property
@@ -120,21 +123,21 @@ _KEY = re.compile(r"^\s*([a-z_0-9]+)\s*:\s*([^,]+?)\s*$")
 def allocator_from_conf(conf: str | None = None, *, environ: Mapping[str, str] | None = None) -> AllocatorModel:
     """The model for a ``PYTORCH_CUDA_ALLOC_CONF`` value (default: the environment's; unset means what
     ``partita run`` sets, expandable segments). Unknown keys are ignored, as torch ignores none: a
-    malformed item is an :class:`EstimateError`."""
+    malformed item is an :class:`AllocatorConfigError`."""
     if conf is None:
         conf = (os.environ if environ is None else environ).get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     kind, split = "default", None
     for item in filter(None, (part.strip() for part in conf.split(","))):
         match = _KEY.match(item)
         if match is None:
-            raise EstimateError(f"PYTORCH_CUDA_ALLOC_CONF item {item!r} is not key:value "
+            raise AllocatorConfigError(f"PYTORCH_CUDA_ALLOC_CONF item {item!r} is not key:value "
                                 "(e.g. expandable_segments:True,max_split_size_mb:512)")
         key, value = match.groups()
         if key == "expandable_segments":
             kind = "expandable" if value.lower() == "true" else "default"
         elif key == "max_split_size_mb":
             if not value.isdigit():
-                raise EstimateError(f"max_split_size_mb {value!r} is not a whole number of MiB")
+                raise AllocatorConfigError(f"max_split_size_mb {value!r} is not a whole number of MiB")
             split = int(value)
     return AllocatorModel(kind, split if kind == "default" else None)
 

@@ -154,11 +154,15 @@ def _setup(args: argparse.Namespace, model: Any):
 
 def _allocator(args: argparse.Namespace):
     """--allocator / --max-split-size-mb, else PYTORCH_CUDA_ALLOC_CONF, else expandable segments."""
-    from partita.estimate.allocator import AllocatorModel, allocator_from_conf
+    from partita.estimate.allocator import AllocatorConfigError, AllocatorModel, allocator_from_conf
+    from partita.estimate.inputs import EstimateError
 
-    if args.allocator is None and args.max_split_size_mb is None:
-        return allocator_from_conf()
-    return AllocatorModel(args.allocator or "default", args.max_split_size_mb)
+    try:
+        if args.allocator is None and args.max_split_size_mb is None:
+            return allocator_from_conf()
+        return AllocatorModel(args.allocator or "default", args.max_split_size_mb)
+    except AllocatorConfigError as error:
+        raise EstimateError(f"PYTORCH_CUDA_ALLOC_CONF / --allocator: {error}") from None
 
 
 def _nvme_memory(args: argparse.Namespace, world_size: int) -> int | None:

@@ -293,12 +293,15 @@ class Setup:
 
     def allocator_model(self):
         """The :class:`partita.estimate.allocator.AllocatorModel` this setup's reserved memory is predicted with."""
-        from partita.estimate.allocator import AllocatorModel
+        from partita.estimate.allocator import AllocatorConfigError, AllocatorModel
 
         if self.max_split_size_mb is not None and self.allocator != "default":
             raise EstimateError(f"max_split_size_mb {self.max_split_size_mb} applies to allocator default (fixed "
                                 f"segments), not {self.allocator!r}; drop it or set allocator default")
-        return AllocatorModel(self.allocator, self.max_split_size_mb)
+        try:
+            return AllocatorModel(self.allocator, self.max_split_size_mb)
+        except AllocatorConfigError as error:
+            raise EstimateError(str(error)) from None
 
     @property
     def dtype_bytes(self) -> int:
