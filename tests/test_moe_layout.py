@@ -97,21 +97,39 @@ def _loop_reference(moe: MoE, x: torch.Tensor):
     return out, dict(twin.named_parameters())
 
 
+def _interleave(moe: MoE) -> None:
+    """Lay the experts' parameters out as ZeRO does when it aliases them to its flat fp32 master
+    (stage 0-1, one rank): expert by expert in model order, padded, in one flat tensor."""
+    params = list(moe.experts.parameters())
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel() + 3  # odd padding: rows 4-byte but not 16-byte aligned
+    flat = torch.zeros(total)
+    for p, offset in zip(params, offsets):
+        flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        p.data = flat[offset : offset + p.numel()].view(p.shape)
+
+
 @pytest.mark.parametrize("drop_tokens", [False, True])
-@pytest.mark.parametrize("separate", [False, True])
-def test_gradients_reach_each_expert_as_with_its_own_forward(drop_tokens: bool, separate: bool) -> None:
+@pytest.mark.parametrize("layout", ["stacked", "separate", "interleaved"])
+def test_gradients_reach_each_expert_as_with_its_own_forward(drop_tokens: bool, layout: str) -> None:
     """Grouped (dropless) and batched (capacity) GEMMs over the stacked rows give each expert's
     parameter the gradient its own forward would; also when the rows are separate storages
-    (what ZeRO-3 makes of them), where the stacked weight is a copy made for the GEMM."""
+    (what ZeRO-3 makes of them: the stacked weight is a copy made for the GEMM) or equally spaced
+    rows of a larger flat tensor (ZeRO's master aliasing: a strided view, copied for grouped_mm
+    where not 16-byte aligned)."""
     torch.manual_seed(3)
     moe = MoE(16, ExpertMLP(16, 32), num_experts=4, k=2, drop_tokens=drop_tokens, capacity_factor=2.0)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_()
-    if separate:
+    if layout == "separate":
         for p in moe.experts.parameters():
             p.data = p.data.clone()
-    assert moe.experts.is_stacked() is not separate
+    elif layout == "interleaved":
+        _interleave(moe)
+    assert moe.experts.is_stacked() is (layout != "separate")
     moe.eval()
     x = torch.randn(12, 16)
     out, _, _ = moe(x)

@@ -90,6 +90,16 @@ def _grouped_mm():
     return getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
+def _gemm_weight(weights: Sequence[torch.Tensor], grouped: bool) -> torch.Tensor:
+    """The stacked weight for a GEMM; for the grouped matmul, whose operands need 16-byte aligned
+    addresses and strides, a contiguous copy where the view is not (rows that ZeRO laid out
+    inside its flat fp32 master with other parameters between them)."""
+    w = _stacked(weights)
+    if grouped and ((w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16):
+        w = w.contiguous()
+    return w
+
+
 class _ExpertLinear(torch.autograd.Function):
     """``y = x @ W_j^T`` per expert, with ``W`` the stacked weights of ``n`` experts.
 
@@ -100,7 +110,7 @@ class _ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offs: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
-        w = _stacked(weights)  # (n, out, in)
+        w = _gemm_weight(weights, offs is not None)  # (n, out, in)
         ctx.save_for_backward(x, offs, *weights)
         if offs is None:
             return torch.bmm(x, w.transpose(1, 2))
@@ -110,7 +120,7 @@ class _ExpertLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, offs, *weights = ctx.saved_tensors
         grad = grad.contiguous()  # grouped_mm rejects the stride-0 gradients of sum() / expand()
-        w = _stacked(weights)
+        w = _gemm_weight(weights, offs is not None)
         grad_x = grad_w = None
         if offs is None:
             if ctx.needs_input_grad[0]:
