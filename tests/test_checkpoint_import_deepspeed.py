@@ -397,3 +397,43 @@ def test_command_line(tmp_path, capsys):
         "with --tag\n")
     assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero1"), str(out), "--rename", "nothing"]) == 2
     assert "--rename 'nothing': expected OLD=NEW" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- fp16 and layouts not read
+
+
+def test_fp16_loss_scale_maps_to_partitas_scaler():
+    """DeepSpeed refuses fp16 on CPU, so no fixture: its DynamicLossScaler attributes (as pickled,
+    runtime/fp16/loss_scaler.py) become partita's dynamic scaler state; a static scale its static one."""
+    from partita.checkpoint.import_deepspeed import _loss_scaler
+    from partita.checkpoint.import_deepspeed_read import DynamicLossScaler, LossScaler
+    from partita.precision.loss_scaler import DynamicLossScaler as PartitaDynamic
+
+    scaler = DynamicLossScaler()
+    scaler.__dict__.update(cur_scale=64.0, cur_iter=9, last_overflow_iter=6, scale_factor=2.0, scale_window=2,
+                           min_scale=1, delayed_shift=2, cur_hysteresis=1, consecutive_hysteresis=False, dynamic=True)
+    fp16 = {"fp16": {"enabled": True}}
+    state = _loss_scaler({"loss_scaler": scaler, "dynamic_loss_scale": True}, fp16)
+    assert state == {"type": "dynamic", "scale": 64.0, "cur_hysteresis": 1, "cur_iter": 9, "last_overflow_iter": 6}
+    static = LossScaler()
+    static.__dict__.update(cur_scale=128.0, dynamic=False)
+    assert _loss_scaler({"loss_scaler": static, "dynamic_loss_scale": False}, fp16) == {"type": "static", "scale": 128.0}
+    # ZeRO 0's FP16 optimizer keeps the attributes at the top level of its state.
+    assert _loss_scaler({"dynamic_loss_scale": True, "cur_scale": 32.0, "cur_iter": 4, "last_overflow_iter": -1}, fp16) == {
+        "type": "dynamic", "scale": 32.0, "cur_hysteresis": 1, "cur_iter": 4, "last_overflow_iter": -1}
+    assert _loss_scaler({"loss_scaler": static}, {}) is None  # fp32 and bf16 keep no scaler
+    restored = PartitaDynamic(init_scale=2.0**16, scale_window=2, hysteresis=2)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state
+
+
+def test_bf16_optimizer_layout_at_zero0_is_not_implemented(tmp_path):
+    ds = _copy_fixture("zero0_bf16", tmp_path)
+    shutil.copy(FIXTURES / "zero2_bf16" / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", ds / TAG)
+    with pytest.raises(NotImplementedError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == (
+        f"{ds / TAG} holds per-rank optimizer files at ZeRO 0 (bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, ...): "
+        "DeepSpeed's BF16_Optimizer, whose flat fp32 layout the importer does not read. Import a ZeRO 1-3 checkpoint "
+        "of the run, or take the weights alone (DeepSpeed's zero_to_fp32.py, then load_module_only)"
+    )

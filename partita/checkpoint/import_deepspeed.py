@@ -105,7 +105,7 @@ def import_deepspeed(
         raise DeepSpeedImportError(f"{problem}; pass another partita tag with --out-tag")
     meta, model_entries, state_entries, rank_entries = _plan(
         model_states, config, groups, module, cls, tag=name, stage=stage, world=world, source=tag_dir,
-        optim0=optim[0] if optim else None)
+        optim0=optim[0] if optim else model_states.get("optimizer"))
     return _write(Path(out_dir), name, meta, model_entries, state_entries, rank_entries)
 
 
@@ -161,17 +161,32 @@ def _stage0_groups(model_states: dict[str, Any], names: list[list[str]] | None) 
             f"stage0_param_names has {[len(n) for n in names]} names per group; the optimizer's groups hold "
             f"{[len(g['params']) for g in inner['param_groups']]} parameters"
         )
-    # fp16/bf16 at ZeRO 0: DeepSpeed's FP16 optimizer wraps the torch optimizer and keeps the fp32
-    # masters as whole tensors, in the param groups' order (``fp32_groups``).
-    wrapped = "optimizer_state_dict" in optimizer and "fp32_groups" in optimizer
-    groups = groups_from_stage0(optimizer["optimizer_state_dict"] if wrapped else optimizer, names)
+    # fp16/bf16 at ZeRO 0: DeepSpeed's FP16 optimizers wrap the torch optimizer and keep the fp32
+    # masters in the param groups' order: whole tensors (``fp32_groups``, FP16_UnfusedOptimizer) or
+    # one flat tensor per group (``fp32_groups_flat``, FP16_Optimizer).
+    wrapped = "optimizer_state_dict" in optimizer
+    groups = groups_from_stage0(inner, names)
     for g, group in enumerate(groups):
+        offset = 0
         for i, name in enumerate(group.names):
             if name not in module:
                 raise DeepSpeedImportError(f"stage0_param_names names {name!r}, which is not in the module's state_dict")
-            group.shapes.append(tuple(module[name].shape))
-            master = optimizer["fp32_groups"][g][i] if wrapped else module[name]
-            group.masters[name] = master.detach().float().clone().view(group.shapes[-1])
+            shape = tuple(module[name].shape)
+            group.shapes.append(shape)
+            if not wrapped:
+                master = module[name]
+            elif "fp32_groups" in optimizer:
+                master = optimizer["fp32_groups"][g][i]
+            elif "fp32_groups_flat" in optimizer:
+                numel = module[name].numel()
+                master = optimizer["fp32_groups_flat"][g].reshape(-1)[offset : offset + numel]
+                offset += numel
+            else:
+                raise DeepSpeedImportError(
+                    f"DeepSpeed's ZeRO-0 optimizer state has keys {sorted(optimizer)} but no fp32 master weights "
+                    "(fp32_groups or fp32_groups_flat); the importer does not know this layout"
+                )
+            group.masters[name] = master.detach().float().clone().view(shape)
     return groups
 
 
@@ -285,9 +300,13 @@ def _scheduler_state(state: Any, config: dict[str, Any]) -> Any:
 
 
 def _loss_scaler(optim0: dict[str, Any] | None, config: dict[str, Any]) -> dict[str, Any] | None:
+    """fp16's loss scale as partita's scaler state (partita.precision.loss_scaler: DeepSpeed's names).
+
+    ``optim0``: rank 0's ZeRO 1-3 optimizer state (the scaler is an object under ``loss_scaler``)
+    or, at ZeRO 0, DeepSpeed's FP16 optimizer state (its attributes at the top level)."""
     if not (config.get("fp16") or {}).get("enabled") or optim0 is None:
         return None  # fp32/bf16: partita keeps no loss scaler
-    scaler = vars(optim0["loss_scaler"])
+    scaler = vars(optim0["loss_scaler"]) if "loss_scaler" in optim0 else optim0
     if optim0.get("dynamic_loss_scale"):
         return {"type": "dynamic", "scale": float(scaler["cur_scale"]), "cur_hysteresis": int(scaler.get("cur_hysteresis", 1)),
                 "cur_iter": int(scaler.get("cur_iter", 0)), "last_overflow_iter": int(scaler.get("last_overflow_iter", -1))}
