@@ -250,3 +250,5 @@ def test_experts_with_buffers_hold_their_own() -> None:
     probs = torch.softmax(m.gate.logits(x, jitter=False), 1).max(1).values
     expected = torch.stack([expert[int(e)](x[i : i + 1])[0] * probs[i] for i, e in enumerate(chosen)])
     assert torch.allclose(out, expected, atol=1e-6)
+    with pytest.raises(NotImplementedError, match=r"an expert with buffers \(e.g. BatchNorm\) at ep_size=2"):
+        MoE(D, nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)), num_experts=2, ep_size=2)

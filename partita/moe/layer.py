@@ -99,6 +99,12 @@ class MoE(nn.Module):
         if use_tutel:
             raise NotImplementedError("use_tutel=True: partita has no Tutel kernels; drop_tokens=False gives "
                                       "dropless routing with grouped GEMMs instead")
+        if ep_size > 1 and any(True for _ in expert.buffers()):
+            raise NotImplementedError(
+                f"an expert with buffers (e.g. BatchNorm) at ep_size={ep_size}: checkpoints key experts' parameters by "
+                "global expert index but not yet their buffers, which would load another expert rank's values; use "
+                "ep_size=1, or an expert without buffers (e.g. LayerNorm instead of BatchNorm)"
+            )
         if enable_expert_tensor_parallelism:
             raise NotImplementedError("enable_expert_tensor_parallelism=True is not implemented yet in partita")
         self.hidden_size = hidden_size
