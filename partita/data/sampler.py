@@ -34,10 +34,13 @@ from torch.utils.data import Sampler
 class ResumableDistributedSampler(Sampler[int]):
     """Shuffled, rank-disjoint indices over ``dataset`` with mid-epoch resume.
 
-    Epochs advance by themselves: when an iteration runs to its end the sampler moves to the next
-    epoch (a new permutation). ``set_epoch(e)`` still works as with torch's sampler; it restarts
-    the position only when ``e`` differs from the current epoch, so calling it with the epoch a
-    checkpoint was restored at keeps the restored position.
+    By default epochs advance by themselves: when an iteration runs to its end the sampler moves
+    to the next epoch (a new permutation). ``advance_epochs=False`` is torch's
+    ``DistributedSampler`` and DeepSpeed's data loader instead: an iteration that runs to its end
+    starts the same epoch again, so the order changes only when the caller calls ``set_epoch``
+    (and DeepSpeed client code that never does trains every epoch in the first epoch's order).
+    ``set_epoch(e)`` restarts the position only when ``e`` differs from the current epoch, so
+    calling it with the epoch a checkpoint was restored at keeps the restored position.
 
     Args:
         dataset: anything with ``len()``.
@@ -47,6 +50,8 @@ class ResumableDistributedSampler(Sampler[int]):
         seed: base seed; all ranks must pass the same one.
         drop_last: drop the tail that does not divide evenly over ranks; otherwise pad by
             repeating indices from the start of the epoch's order, as torch does.
+        advance_epochs: move to the next epoch when an iteration ends (False: only at
+            ``set_epoch``, as torch's and DeepSpeed's samplers).
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class ResumableDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        advance_epochs: bool = True,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -69,6 +75,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.advance_epochs = advance_epochs
         self.epoch = 0
         self._start = 0  # global positions of this epoch consumed before the current iteration
         self._yielded = 0  # indices this rank yielded in the current iteration
@@ -103,7 +110,11 @@ class ResumableDistributedSampler(Sampler[int]):
         for index in self._remaining_for_rank(self._start):
             self._yielded += 1
             yield index
-        self.set_epoch(self.epoch + 1)
+        if self.advance_epochs:
+            self.set_epoch(self.epoch + 1)
+        else:  # the epoch ran to its end: the next iteration repeats it from its first position
+            self._start = 0
+            self._yielded = 0
 
     def __len__(self) -> int:
         """Number of indices the next iteration yields: the rest of a resumed epoch, else a full one."""
@@ -158,8 +169,8 @@ def infinite_batches(loader: Iterable) -> Iterator[Any]:
     """Yield batches from ``loader`` forever, one epoch after another, each in a new order.
 
     With :class:`ResumableDistributedSampler` the sampler advances its epoch by itself; with a
-    sampler that does not (torch's ``DistributedSampler``) this calls ``set_epoch(epoch + 1)``
-    between passes so the order still changes.
+    sampler that does not (torch's ``DistributedSampler``, or ours with ``advance_epochs=False``)
+    this calls ``set_epoch(epoch + 1)`` between passes so the order still changes.
     """
     sampler = getattr(loader, "sampler", None)
     empty_passes = 0
