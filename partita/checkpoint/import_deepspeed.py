@@ -316,14 +316,11 @@ def _loss_scaler(optim0: dict[str, Any] | None, config: dict[str, Any]) -> dict[
 # ---------------------------------------------------------------------------- writing
 
 
-def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[ImportedGroup], module: dict[str, torch.Tensor],
-          cls: str, *, tag: str, stage: int, world: int, source: Path, optim0: dict[str, Any] | None):
-    """meta.json and the tensors of each file, as partita's snapshot lays them out for a one-rank save."""
-    sink: dict[str, torch.Tensor] = {}
+def _optimizer_section(groups: list[ImportedGroup], module: dict[str, torch.Tensor], cls: str,
+                       sink: dict[str, torch.Tensor]) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """meta.json's ``optimizer`` and the rank file's tensors: every parameter one shard, whole
+    (what partita's snapshot writes for a one-rank, stage-0 save)."""
     rank_file = fmt.rank_file(0)
-    shared = model_states.get("shared_params") or {}
-    aliases = {alias: src for alias, src in shared.items() if alias in module and src in module}
-    stored = {k: v for k, v in module.items() if k not in aliases and torch.is_tensor(v)}
     rank_entries: list[TensorEntry] = []
     groups_meta, params_meta = [], {}
     for g, group in enumerate(groups):
@@ -347,6 +344,18 @@ def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[Imp
             "local_state": [],
             "num_shards": 1,
         })
+    section = {"class": cls, "master_dtype": "float32", "groups": groups_meta, "params": params_meta}
+    return section, rank_entries
+
+
+def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[ImportedGroup], module: dict[str, torch.Tensor],
+          cls: str, *, tag: str, stage: int, world: int, source: Path, optim0: dict[str, Any] | None):
+    """meta.json and the tensors of each file, as partita's snapshot lays them out for a one-rank save."""
+    sink: dict[str, torch.Tensor] = {}
+    shared = model_states.get("shared_params") or {}
+    aliases = {alias: src for alias, src in shared.items() if alias in module and src in module}
+    stored = {k: v for k, v in module.items() if k not in aliases and torch.is_tensor(v)}
+    optimizer, rank_entries = _optimizer_section(groups, module, cls, sink)
     client_state = {k: v for k, v in model_states.items() if k not in _ENGINE_KEYS}
     counters = {"global_steps": int(model_states.get("global_steps", 0)),
                 "global_samples": int(model_states.get("global_samples", 0)),
@@ -356,7 +365,7 @@ def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[Imp
     # would misplace them in a run resumed with another accumulation (same global batch, other
     # world size).
     counters["micro_steps"] = 0
-    trained = next(iter(params_meta), None)
+    trained = next(iter(optimizer["params"]), None)
     precision = str(module[trained].dtype if trained else torch.float32).replace("torch.", "")
     scheduler = model_states.get("lr_scheduler")
     meta = {
@@ -381,12 +390,12 @@ def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[Imp
             "frozen_shards": {},
             "tensors": {k: {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)} for k, v in stored.items()},
         },
-        "optimizer": {"class": cls, "master_dtype": "float32", "groups": groups_meta, "params": params_meta},
+        "optimizer": optimizer,
         "loss_scaler": _loss_scaler(optim0, config),
         "lr_scheduler": None if scheduler is None else encode(_scheduler_state(scheduler, config), path="lr_scheduler", sink=sink),
         "sampler": None,
         "client_state": _encode_client_state(client_state, sink),
-        "rank_files": [rank_file],
+        "rank_files": [fmt.rank_file(0)],
         "state_file": fmt.STATE_FILE,
         "imported_from": {
             "deepspeed_version": model_states.get("ds_version"),

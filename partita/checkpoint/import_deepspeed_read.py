@@ -15,7 +15,7 @@ Layout of a DeepSpeed save directory (runtime/engine.py ``save_checkpoint``)::
                                                         param_shapes, client_state (rank 0)
     DIR/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   ZeRO 3: the same, one per rank
     DIR/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   ZeRO 1-3: rank r's optimizer state
-    DIR/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   bf16 at ZeRO 0 (BF16_Optimizer)
+    DIR/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   the same in bf16 (same layout)
 """
 
 from __future__ import annotations
@@ -120,8 +120,7 @@ class DeepSpeedFiles:
 
     tag_dir: Path
     model_states: list[Path]  # one (ZeRO 0-2) or one per rank (ZeRO 3)
-    optim_states: list[Path] = field(default_factory=list)  # one per data-parallel rank (ZeRO 1-3, bf16)
-    bf16_optimizer: bool = False  # DeepSpeed's BF16_Optimizer files (bf16 at ZeRO 0)
+    optim_states: list[Path] = field(default_factory=list)  # one per data-parallel rank (ZeRO 1-3)
 
 
 def _looks_like_tag(path: Path) -> bool:
@@ -163,14 +162,12 @@ def find_files(tag_dir: Path) -> DeepSpeedFiles:
     """Sort a tag directory's files; refuse layouts the importer does not read (named)."""
     models: dict[tuple[int, int], Path] = {}
     optims: dict[tuple[int, int], Path] = {}
-    bf16 = set()
     others = []
     for path in sorted(tag_dir.iterdir()):
         if m := _MODEL_STATES.match(path.name):
             models[(int(m.group(2)), int(m.group(1) or 0))] = path
         elif m := _OPTIM_STATES.match(path.name):
             optims[(int(m.group(3)), int(m.group(2)))] = path
-            bf16.add(bool(m.group(1)))
         elif path.name.startswith(("layer_", "expp_rank_")) or path.name.endswith("_expert_states.pt") or "expert" in path.name:
             others.append(path.name)
     if others:
@@ -194,4 +191,4 @@ def find_files(tag_dir: Path) -> DeepSpeedFiles:
         )
     model_list = [models[k] for k in sorted(models)]
     optim_list = [optims[k] for k in sorted(optims)]
-    return DeepSpeedFiles(tag_dir=tag_dir, model_states=model_list, optim_states=optim_list, bf16_optimizer=True in bf16)
+    return DeepSpeedFiles(tag_dir=tag_dir, model_states=model_list, optim_states=optim_list)
