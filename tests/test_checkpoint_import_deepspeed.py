@@ -122,8 +122,10 @@ def test_meta_carries_counters_groups_scheduler_client_state(imported, stage):
 # ---------------------------------------------------------------------------- resuming
 
 
-def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, accumulation: int) -> list[dict]:
-    """On every rank: per imported checkpoint, resume partita at ``stages[i]`` and train 2 steps."""
+def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, accumulation: int,
+            via_config: bool) -> list[dict]:
+    """On every rank: per imported checkpoint, resume partita at ``stages[i]`` and train 2 steps;
+    ``via_config``: by ``checkpoint.resume: "latest"`` in initialize, else by engine.load_checkpoint."""
     import partita
 
     out = []
@@ -141,9 +143,11 @@ def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, a
             "scheduler": {"type": "WarmupLR", "params": dict(WARMUP)},
             "steps_per_print": 1000,
         }
+        if via_config:
+            config["checkpoint"] = {"save_dir": path, "resume": "latest"}
         engine, _, _, _ = partita.initialize(model=model, optimizer=optimizer, config=config)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        _, client_state = engine.load_checkpoint(path)
+        client_state = {"epoch": 1, "note": "fixture"} if via_config else engine.load_checkpoint(path)[1]
         record = {"client_state": client_state, "global_steps": [engine.global_steps], "lr": [], "loss": [], "params": []}
         for step in (4, 5):
             data = EXPECTED["data"][str(step)]
@@ -184,14 +188,15 @@ def _resume_args(imported: dict[str, Path], stages: list[int]) -> tuple:
 
 
 def test_resume_on_four_ranks_equals_deepspeeds_resume(imported):
-    """DeepSpeed's 2-rank checkpoints, resumed on 4 ranks (micro-batch 2) at other ZeRO stages."""
-    records = run_distributed(_resume, 4, *_resume_args(imported, [3, 3, 1, 2, 1, 3, 0]), 2, 1, timeout=600)[0]
+    """DeepSpeed's 2-rank checkpoints, resumed on 4 ranks (micro-batch 2) at other ZeRO stages, by the
+    config's ``checkpoint.resume``."""
+    records = run_distributed(_resume, 4, *_resume_args(imported, [3, 3, 1, 2, 1, 3, 0]), 2, 1, True, timeout=600)[0]
     _check_resumed(records, "world 4")
 
 
 def test_resume_on_one_rank_equals_deepspeeds_resume(imported):
     """The same on 1 rank with 2 micro-batches of 4 accumulated, at ZeRO 0 and 3."""
-    records = run_distributed(_resume, 1, *_resume_args(imported, [3, 0, 3, 0, 0, 3, 2]), 4, 2, timeout=600)[0]
+    records = run_distributed(_resume, 1, *_resume_args(imported, [3, 0, 3, 0, 0, 3, 2]), 4, 2, False, timeout=600)[0]
     _check_resumed(records, "world 1")
 
 
