@@ -40,11 +40,16 @@ def _trajectory(scheduler, optimizer, steps):
     return seen
 
 
-def _warmup(n, warmup, kind):
+def _warmup(i, warmup, kind):
+    """DeepSpeed's warm-up fraction at its iteration ``i`` (its rounding: times 1 / log(W))."""
     w = max(2, warmup)
     if kind == "log":
-        return math.log(n + 1) / math.log(w)
-    return n / w
+        return (1.0 / math.log(w)) * math.log(i + 1)
+    return i / w
+
+
+# DeepSpeed's counter lags the optimizer by one: after n step() calls its iteration is n - 1,
+# and before the first step() (n = 0) the Warmup* schedules hold their start value.
 
 
 # ----------------------------------------------------------------------------- WarmupLR
@@ -55,27 +60,31 @@ def test_warmup_lr_matches_formula(kind):
     opt = _optimizer()
     sched = WarmupLR(opt, warmup_min_lr=0.01, warmup_max_lr=0.2, warmup_num_steps=10, warmup_type=kind)
     got = _trajectory(sched, opt, 30)
-    for n, lrs in enumerate(got):
-        gamma = _warmup(n, 10, kind) if n < 10 else 1.0
+    for n, lrs in enumerate(got[1:], 1):
+        i = n - 1
+        gamma = _warmup(i, 10, kind) if i < 10 else 1.0
         assert lrs == [0.01 + (0.2 - 0.01) * gamma], n
-    assert got[0] == [0.01]  # step 0 is the first optimizer step's lr: warmup_min_lr
-    assert got[9][0] == (0.2 if kind == "log" else 0.01 + 0.19 * 0.9)
-    assert got[10] == got[30] == [0.2]
+    assert got[0] == got[1] == [0.01]  # the first two optimizer steps both run at warmup_min_lr
+    assert sched.last_batch_iteration == 29  # DeepSpeed's counter after 30 steps
+    # the last warm-up step: log reaches the peak (to DeepSpeed's rounding, one ulp below it)
+    assert got[10][0] == (pytest.approx(0.2, rel=1e-15, abs=0) if kind == "log" else 0.01 + 0.19 * 0.9)
+    assert got[11] == got[30] == [0.2]
 
 
 def test_warmup_lr_without_max_uses_each_groups_lr():
     opt = _optimizer(lrs=(0.1, 0.02))
     sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_num_steps=4, warmup_type="linear")
     got = _trajectory(sched, opt, 6)
-    for n, lrs in enumerate(got):
-        gamma = n / 4 if n < 4 else 1.0
+    assert got[0] == [0.0, 0.0]
+    for n, lrs in enumerate(got[1:], 1):
+        gamma = (n - 1) / 4 if n - 1 < 4 else 1.0
         assert lrs == [0.1 * gamma, 0.02 * gamma]
 
 
 def test_warmup_num_steps_one_is_clamped_to_two():
     opt = _optimizer()
     sched = WarmupLR(opt, warmup_min_lr=0.5, warmup_max_lr=1.0, warmup_num_steps=1)
-    assert _trajectory(sched, opt, 3) == [[0.5], [1.0], [1.0], [1.0]]
+    assert _trajectory(sched, opt, 3) == [[0.5], [0.5], [1.0], [1.0]]
 
 
 def test_warmup_lr_rejects_bad_arguments():
@@ -95,14 +104,16 @@ def test_warmup_decay_lr_matches_formula(kind):
         opt, total_num_steps=20, warmup_min_lr=0.001, warmup_max_lr=0.1, warmup_num_steps=5, warmup_type=kind
     )
     got = _trajectory(sched, opt, 30)
-    for n, lrs in enumerate(got):
-        if n < 5:
-            gamma = _warmup(n, 5, kind)
+    assert got[0] == [0.001]
+    for n, lrs in enumerate(got[1:], 1):
+        i = n - 1
+        if i < 5:
+            gamma = _warmup(i, 5, kind)
         else:
-            gamma = max(0.0, (20 - n) / max(1, 20 - 5))
+            gamma = max(0.0, (20 - i) / max(1, 20 - 5))
         assert lrs == [0.001 + (0.1 - 0.001) * gamma], n
-    assert got[5] == [0.1]
-    assert got[20] == got[30] == [0.001]
+    assert got[6] == [0.1]
+    assert got[21] == got[30] == [0.001]
 
 
 # ----------------------------------------------------------------------------- WarmupCosineLR
@@ -115,15 +126,17 @@ def test_warmup_cosine_lr_matches_formula(kind):
         opt, total_num_steps=25, warmup_min_ratio=0.1, warmup_num_steps=5, cos_min_ratio=0.01, warmup_type=kind
     )
     got = _trajectory(sched, opt, 40)
-    for n, lrs in enumerate(got):
-        if n < 5:
-            ratio = 0.1 + (1.0 - 0.1) * _warmup(n, 5, kind)
+    for n, lrs in enumerate(got[1:], 1):
+        i = n - 1
+        if i < 5:
+            ratio = 0.1 + _warmup(i, 5, kind) * (1.0 - 0.1)
         else:
-            progress = min(1.0, (n - 5 + 1) / max(1, 25 - 5))
+            progress = min(1.0, (i - 5 + 1) / max(1, 25 - 5))
             ratio = max(0.0, 0.01 + (1.0 - 0.01) * ((1.0 + math.cos(math.pi * progress)) / 2.0))
         assert lrs == [0.1 * ratio, 0.05 * ratio], n
-    assert got[0] == [0.1 * 0.1, 0.05 * 0.1]
-    assert got[24] == got[40] == [0.1 * 0.01, 0.05 * 0.01]
+    assert got[0] == [0.0, 0.0]  # DeepSpeed's start ratio is 0, below warmup_min_ratio
+    assert got[1] == [0.1 * 0.1, 0.05 * 0.1]
+    assert got[25] == got[40] == [0.1 * 0.01, 0.05 * 0.01]
 
 
 # ----------------------------------------------------------------------------- OneCycle
@@ -224,7 +237,7 @@ def test_build_scheduler_applies_deepspeed_defaults():
     for _ in range(500):
         opt.step()
         sched.step()
-    assert opt.param_groups[0]["lr"] == 0.0 + (0.3 - 0.0) * (math.log(501) / math.log(1000))
+    assert opt.param_groups[0]["lr"] == 0.0 + (0.3 - 0.0) * ((1.0 / math.log(1000)) * math.log(500))
 
 
 def test_scheduler_config_defaults():

@@ -2,19 +2,26 @@
 
 Being torch schedulers, they work with any torch optimizer, their ``state_dict`` /
 ``load_state_dict`` are torch's, and code that expects a torch scheduler (``get_last_lr``,
-checkpoint helpers) keeps working. The formulas and parameter names are DeepSpeed's.
+checkpoint helpers) keeps working. The formulas, parameter names and step counting are
+DeepSpeed's (0.19.8), so a DeepSpeed config trains with the same lr at every step.
 
-Step convention (all four): the scheduler counts completed ``step()`` calls in
-``last_epoch``; the lr in the optimizer is always ``formula(last_epoch)``. Construction sets
-``formula(0)``, the lr of the first optimizer step; after ``k`` calls of ``step()`` (one per
-optimizer step, as the engine does) it is ``formula(k)``. DeepSpeed's OneCycle behaves the
-same. DeepSpeed's three Warmup* schedulers lag by one step: their constructor sets the lr
-"before step 0" (warmup_min_lr, or 0 for WarmupCosineLR) and after ``k`` steps they hold
-``formula(k - 1)``, so DeepSpeed's first two optimizer steps both run at the minimum lr;
-partita does not repeat that step.
+Step convention: ``last_epoch`` counts completed ``step()`` calls (one per optimizer step, as
+the engine does); the lr in the optimizer is always ``_lrs_at(last_epoch)``, the lr of the
+next optimizer step.
 
-Other deliberate differences from DeepSpeed, each noted where it applies: WarmupLR and
-WarmupDecayLR with no ``warmup_max_lr`` warm each param group up to its own lr; OneCycle
+- OneCycle: ``_lrs_at(k) = formula(k)``, as DeepSpeed's OneCycle.
+- The three Warmup* schedules follow DeepSpeed's lagging counter: DeepSpeed's constructor sets
+  the lr "before step 0" (``warmup_min_lr``; a ratio of 0, so lr 0, for WarmupCosineLR) and its
+  ``step()`` then evaluates the formula at ``last_batch_iteration = k - 1`` after ``k`` steps.
+  So ``_lrs_at(0)`` is the before-start value and ``_lrs_at(k) = formula(k - 1)``: the first
+  two optimizer steps both run at the minimum lr, and the warm-up reaches its peak one step
+  later than the formula alone says. The classes expose DeepSpeed's counter as
+  ``last_batch_iteration`` (``last_epoch - 1``). Skipping that repeated step (partita before
+  this) trained with a different lr at every step of the warm-up, which moved the losses 1e-4
+  after the first update and 3% by step 40 on DeepSpeedExamples' CIFAR script.
+
+Other deliberate differences from DeepSpeed, each noted where it applies: WarmupDecayLR with
+no ``warmup_max_lr`` warms each param group up to its own lr (DeepSpeed: 0.001); OneCycle
 keeps the optimizer's beta2 when cycling momentum (DeepSpeed writes 0.99), cycles SGD's
 ``momentum`` too, and sets the step-0 momentum from the formula.
 """
@@ -49,11 +56,15 @@ def _check_warmup(warmup_num_steps: int, warmup_type: str) -> int:
     return max(2, warmup_num_steps)
 
 
-def _warmup_fraction(step: int, warmup_num_steps: int, warmup_type: str) -> float:
-    """0 at step 0, rising to (log: exactly; linear: almost) 1 at warmup_num_steps - 1."""
+def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """0 at iteration 0, rising to (log: exactly; linear: almost) 1 at warmup_num_steps - 1.
+
+    Log warm-up multiplies by ``1 / log(W)`` rather than dividing by ``log(W)``: DeepSpeed's
+    rounding, so the lr is DeepSpeed's to the last bit.
+    """
     if warmup_type == "log":
-        return math.log(step + 1) / math.log(warmup_num_steps)
-    return step / warmup_num_steps
+        return (1.0 / math.log(warmup_num_steps)) * math.log(iteration + 1)
+    return iteration / warmup_num_steps
 
 
 class _ClosedFormSchedule(LRScheduler):
@@ -86,13 +97,40 @@ class _ClosedFormSchedule(LRScheduler):
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
-class WarmupLR(_ClosedFormSchedule):
+class _LaggedSchedule(_ClosedFormSchedule):
+    """A Warmup* schedule on DeepSpeed's counter: after ``k`` steps, ``formula(k - 1)``.
+
+    Subclasses implement ``_lrs_at_iteration(i)`` for DeepSpeed's ``last_batch_iteration``
+    ``i >= 0`` and ``_lrs_before_start()``, the lr DeepSpeed's constructor sets.
+    """
+
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's name and value for the counter: -1 before the first ``step()``."""
+        return self.last_epoch - 1
+
+    def _lrs_at(self, step: int) -> list[float]:
+        if step <= 0:
+            return self._lrs_before_start()
+        return self._lrs_at_iteration(step - 1)
+
+    def _lrs_at_iteration(self, iteration: int) -> list[float]:
+        raise NotImplementedError
+
+    def _lrs_before_start(self) -> list[float]:
+        raise NotImplementedError
+
+
+class WarmupLR(_LaggedSchedule):
     """Warm up from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``, then hold.
 
-    ``lr(n) = min + (max - min) * w(n)`` for ``n < W``, else ``max``, where
-    ``W = max(2, warmup_num_steps)`` and ``w(n) = log(n + 1) / log(W)`` ("log") or
-    ``n / W`` ("linear"). ``warmup_max_lr=None`` (DeepSpeed 0.19's default) warms each param
-    group up to its own lr (DeepSpeed uses group 0's lr for every group).
+    At DeepSpeed's iteration ``i`` (``k - 1`` after ``k`` optimizer steps, see the module doc):
+    ``lr = min + (max - min) * w(i)`` for ``i < W``, else ``max``, where
+    ``W = max(2, warmup_num_steps)`` and ``w(i) = log(i + 1) / log(W)`` ("log") or
+    ``i / W`` ("linear"). Before the first ``step()`` the lr is ``min``. So the k-th optimizer
+    step (1-based) runs at ``min`` for k = 1 and 2, then at ``min + (max - min) * w(k - 2)``.
+    ``warmup_max_lr=None`` (DeepSpeed 0.19's default) warms each param group up to its own lr,
+    as DeepSpeed 0.19.8 does.
     """
 
     def __init__(
@@ -116,23 +154,27 @@ class WarmupLR(_ClosedFormSchedule):
             return [float(lr) for lr in self.base_lrs]
         return [self.warmup_max_lr] * len(self.base_lrs)
 
-    def _gamma(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            return _warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
         return 1.0
 
-    def _lrs_at(self, step: int) -> list[float]:
-        gamma = self._gamma(step)
+    def _lrs_at_iteration(self, iteration: int) -> list[float]:
+        gamma = self._gamma(iteration)
         low = self.warmup_min_lr
         return [low + (high - low) * gamma for high in self._max_lrs()]
 
+    def _lrs_before_start(self) -> list[float]:
+        return [self.warmup_min_lr] * len(self.base_lrs)
+
 
 class WarmupDecayLR(WarmupLR):
-    """WarmupLR, then linear decay to 0 at ``total_num_steps``.
+    """WarmupLR, then linear decay to ``warmup_min_lr`` at ``total_num_steps``.
 
-    After warmup, ``lr(n) = min + (max - min) * g(n)`` with
-    ``g(n) = max(0, (T - n) / max(1, T - W))``, ``T = total_num_steps``; so the lr reaches
-    ``warmup_min_lr`` at step T and stays there.
+    After warmup (DeepSpeed's iteration ``i >= W``, ``i = k - 1`` after ``k`` steps),
+    ``lr = min + (max - min) * g(i)`` with ``g(i) = max(0, (T - i) / max(1, T - W))``,
+    ``T = total_num_steps``; so the lr reaches ``warmup_min_lr`` at iteration T (after T + 1
+    optimizer steps) and stays there.
     """
 
     def __init__(
@@ -157,20 +199,22 @@ class WarmupDecayLR(WarmupLR):
             last_epoch=last_epoch,
         )
 
-    def _gamma(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            return _warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
-        remaining = self.total_num_steps - step
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+        remaining = self.total_num_steps - iteration
         return max(0.0, remaining / max(1, self.total_num_steps - self.warmup_num_steps))
 
 
-class WarmupCosineLR(_ClosedFormSchedule):
+class WarmupCosineLR(_LaggedSchedule):
     """Ratios of each group's base lr: warm up, then cosine decay to ``cos_min_ratio``.
 
-    ``lr(n) = base_lr * r(n)``. Warmup (``n < W``): ``r = wmin + (1 - wmin) * w(n)``
-    (``w`` as in WarmupLR). After: ``p = min(1, (n - W + 1) / max(1, T - W))`` and
+    At DeepSpeed's iteration ``i`` (``k - 1`` after ``k`` optimizer steps):
+    ``lr = base_lr * r(i)``. Warmup (``i < W``): ``r = wmin + (1 - wmin) * w(i)``
+    (``w`` as in WarmupLR). After: ``p = min(1, (i - W + 1) / max(1, T - W))`` and
     ``r = max(0, cmin + (1 - cmin) * (1 + cos(pi * p)) / 2)``; the ratio stays at
-    ``cos_min_ratio`` from step T on.
+    ``cos_min_ratio`` from iteration T - 1 on. Before the first ``step()`` the ratio is 0, as
+    DeepSpeed's: the first optimizer step runs at lr 0 even when ``warmup_min_ratio > 0``.
     """
 
     def __init__(
@@ -198,18 +242,21 @@ class WarmupCosineLR(_ClosedFormSchedule):
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch)
 
-    def _ratio(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            fraction = _warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
-            return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * fraction
+    def _ratio(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            fraction = _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + fraction * (1.0 - self.warmup_min_ratio)
         decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
-        progress = min(1.0, (step - self.warmup_num_steps + 1) / decay_steps)
+        progress = min(1.0, (iteration - self.warmup_num_steps + 1) / decay_steps)
         cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
-    def _lrs_at(self, step: int) -> list[float]:
-        ratio = self._ratio(step)
+    def _lrs_at_iteration(self, iteration: int) -> list[float]:
+        ratio = self._ratio(iteration)
         return [float(base) * ratio for base in self.base_lrs]
+
+    def _lrs_before_start(self) -> list[float]:
+        return [0.0] * len(self.base_lrs)
 
 
 class OneCycle(_ClosedFormSchedule):
