@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partita.moe.stacked import allocate_rows, expert_linear, rows_view, stack_params
+from partita.moe.stacked import RowsCache, allocate_rows, expert_linear, rows_view, stack_params
 
 __all__ = ["ExpertList", "ExpertMLP", "Experts", "grouped_mm_available"]
 
@@ -146,6 +146,7 @@ class Experts(nn.Module):
         self.deepspeed_experts = ExpertList(copies)
         self._names = list(template)
         self._mlp = _mlp_structure(expert)
+        self._rows = RowsCache()  # per parameter name: are the experts' rows one storage (checked cheaply)
 
     @property
     def num_local(self) -> int:
@@ -172,6 +173,7 @@ class Experts(nn.Module):
         # which is where ZeRO takes over the parameters' storage.
         module = super()._apply(fn, recurse)
         self.restack_()
+        self._rows.clear()
         return module
 
     @torch.no_grad()
@@ -199,8 +201,13 @@ class Experts(nn.Module):
 
     def _layers(self) -> tuple[list[nn.Linear], list[nn.Linear], Callable]:
         fc1, fc2, act = self._mlp
-        experts = list(self.deepspeed_experts)
-        return [e.get_submodule(fc1) for e in experts], [e.get_submodule(fc2) for e in experts], _ACTIVATIONS[act]
+        experts = self.deepspeed_experts._modules.values()  # a forward's hot path: no get_submodule
+        return [e._modules[fc1] for e in experts], [e._modules[fc2] for e in experts], _ACTIVATIONS[act]
+
+    def _params(self, layers: list[nn.Linear], kind: str):
+        """``(parameter of every expert, their rows layout)`` for ``weight`` or ``bias`` of ``layers``."""
+        params = [m._parameters[kind] for m in layers]
+        return params, self._rows.layout(f"{id(layers[0])}.{kind}", params)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's ``Experts.forward``: ``inputs`` cut into ``num_local`` chunks along dim 1,
@@ -218,11 +225,11 @@ class Experts(nn.Module):
         fc1, fc2, act = self._layers()
         if self._grouped_ok(x.device, x.dtype):
             offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-            h = expert_linear(x, [m.weight for m in fc1], offs)
+            h = expert_linear(x, *self._params(fc1, "weight"), offs=offs)
             if fc1[0].bias is not None:
-                h = h + _per_row(stack_params([m.bias for m in fc1]), counts)
-            y = expert_linear(act(h), [m.weight for m in fc2], offs)
-            return y + _per_row(stack_params([m.bias for m in fc2]), counts) if fc2[0].bias is not None else y
+                h = h + _per_row(stack_params(*self._params(fc1, "bias")), counts)
+            y = expert_linear(act(h), *self._params(fc2, "weight"), offs=offs)
+            return y + _per_row(stack_params(*self._params(fc2, "bias")), counts) if fc2[0].bias is not None else y
         # Loop fallback: torch without grouped_mm, or widths it cannot take.
         outputs = []
         for j, chunk in enumerate(torch.split(x, counts, dim=0)):
@@ -234,11 +241,11 @@ class Experts(nn.Module):
         if self._mlp is None:
             return torch.stack([_first(e(x[j])) for j, e in enumerate(self.deepspeed_experts)])
         fc1, fc2, act = self._layers()
-        h = expert_linear(x, [m.weight for m in fc1])
+        h = expert_linear(x, *self._params(fc1, "weight"))
         if fc1[0].bias is not None:
-            h = h + stack_params([m.bias for m in fc1]).unsqueeze(1)
-        y = expert_linear(act(h), [m.weight for m in fc2])
-        return y + stack_params([m.bias for m in fc2]).unsqueeze(1) if fc2[0].bias is not None else y
+            h = h + stack_params(*self._params(fc1, "bias")).unsqueeze(1)
+        y = expert_linear(act(h), *self._params(fc2, "weight"))
+        return y + stack_params(*self._params(fc2, "bias")).unsqueeze(1) if fc2[0].bias is not None else y
 
 
 def _first(out):
