@@ -10,14 +10,13 @@ inside it; ``_initialize_missing_keys`` and ``from_config`` initialise weights i
 ``zero.Init`` sharded at construction have no engine yet. This class serves all three kinds:
 
 - **engine-managed** (after ``initialize``): delegated to ``partita.zero.GatheredParameters``;
-- **sharded by zero.Init, no engine yet**: on entry every rank gets the whole value (one
-  all-gather per parameter, through zero.Init's own guarantee that every op on such a
-  parameter inside the context sees its whole value) and the parameter holds it for the block,
-  so code that runs on one rank only (``if rank == 0: module._load_from_state_dict(...)``) sees
-  and writes whole tensors. On exit with a ``modifier_rank`` that rank's whole value is
-  broadcast and each rank keeps its slice (written back inside the zero.Init context, which
-  keeps this rank's slice of any overwrite); without one the edits are dropped. Either way the
-  whole value is freed: at most the listed parameters are whole at once, never the model;
+- **sharded by zero.Init, no engine yet**: on entry each one is made whole on every rank, in
+  place (one all-gather per parameter; the parameter object, its shape and its identity never
+  change), so code that runs on one rank only (``if rank == 0: module._load_from_state_dict(...)``)
+  reads and writes whole tensors. On exit with a ``modifier_rank`` that rank's whole value is
+  broadcast and each rank keeps its slice of it; without one, each rank's shard is put back as it
+  was on entry (edits dropped, as DeepSpeed drops them). Either way the whole value is freed: at
+  most the listed parameters are whole at once, never the model;
 - **plain tensors** (a parameter nobody shards, such as the new embedding transformers builds
   in ``resize_token_embeddings``, or a buffer): nothing to gather; with a ``modifier_rank`` its
   values are broadcast on exit, so every rank agrees with the modifier (DeepSpeed leaves them
@@ -28,8 +27,12 @@ trainable parameter no engine manages. That is ``resize_token_embeddings`` (or a
 after ``initialize``: the engine's fp32 masters, optimizer state and ZeRO-3 units were built for
 the old parameter and would silently keep training it. DeepSpeed does not support it either.
 
-What this needs from partita.zero is one fact per parameter: "built under zero.Init, no
-engine yet" (:func:`_sharded_before_initialize`); everything else goes through public APIs.
+What this needs from partita.zero beyond its public API (partita/zero is not this package's):
+"built under zero.Init, no engine yet" (``init_shard_of`` and ``owner_of``), and zero.Init's own
+gather/reshard pair for such a parameter (``gather_init_param``: whole on every rank, collective;
+``reshard_init_param``: keep this rank's slice of the current value and free it). A public
+``partita.zero.GatheredParameters`` that serves these parameters would make this class a thin
+delegate.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import partita.zero
+from partita.zero.init_context import gather_init_param, init_shard_of, reshard_init_param
 
-__all__ = ["GatheredParameters"]
+__all__ = ["GatheredParameters", "is_engine_managed"]
 
-# Construction-sharded parameters this module made whole, -> [their own (freed) data, depth].
-# The depth lets blocks nest (the outermost block frees).
+# Construction-sharded parameters this module made whole -> [this rank's shard on entry (read-only
+# blocks put it back) or None, depth]. The depth lets blocks nest (the outermost block frees).
 _WHOLE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -54,24 +58,14 @@ def _sharded_before_initialize(param: torch.Tensor) -> bool:
     """True for a parameter ``partita.zero.Init`` sharded that no engine manages yet (the same
     test partita/zero/state_dict_guard.py makes for its hints)."""
     from partita.zero.gathered import owner_of
-    from partita.zero.init_context import init_shard_of
 
     return isinstance(param, nn.Parameter) and owner_of(param) is None and init_shard_of(param) is not None
 
 
-def _engine_managed(param: torch.Tensor) -> bool:
+def is_engine_managed(param: torch.Tensor) -> bool:
     from partita.zero.gathered import owner_of
 
     return owner_of(param) is not None
-
-
-def _init_context() -> partita.zero.Init:
-    """A zero.Init context for reading and writing construction-sharded parameters. Its config only
-    sets the dtype of modules built inside it, and none are: the active hook's config, else the
-    defaults."""
-    from partita.integrations import hf_zero3
-
-    return partita.zero.Init(config_dict_or_path=hf_zero3.active_config() or {})
 
 
 def _distributed() -> bool:
@@ -102,9 +96,9 @@ class GatheredParameters:
                 unique.setdefault(id(p), p)
         tensors = list(unique.values())
         self._modifier_rank = modifier_rank
-        self._engine = [p for p in tensors if _engine_managed(p)]
+        self._engine = [p for p in tensors if is_engine_managed(p)]
         self._sharded = [p for p in tensors if _sharded_before_initialize(p)]
-        self._plain = [p for p in tensors if not _engine_managed(p) and not _sharded_before_initialize(p)]
+        self._plain = [p for p in tensors if not is_engine_managed(p) and not _sharded_before_initialize(p)]
         self._inner = partita.zero.GatheredParameters(self._engine, modifier_rank=modifier_rank) if self._engine else None
         if modifier_rank is not None and self._engine:
             unmanaged = [p for p in self._plain + self._sharded if isinstance(p, nn.Parameter) and p.requires_grad]
@@ -121,19 +115,15 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if self._inner is not None:
             self._inner.__enter__()
-        fresh = []
-        for p in self._sharded:
+        for p in self._sharded:  # the same parameters in the same order on every rank: one gather each
             entry = _WHOLE.get(p)
-            if entry is None:
-                fresh.append(p)
-            else:
+            if entry is not None:
                 entry[1] += 1  # already whole in an enclosing block
-        if fresh:
-            with torch.no_grad(), _init_context():
-                wholes = [p.detach().clone() for p in fresh]  # the context gathers each one: its whole value
-            for p, whole in zip(fresh, wholes):
-                _WHOLE[p] = [p.data, 1]
-                p.data = whole  # the parameter holds its whole value for the block
+                continue
+            # A read-only block drops edits: this rank's shard as it was, to put back on exit.
+            kept = init_shard_of(p).clone() if self._modifier_rank is None else None
+            gather_init_param(p)  # whole on every rank, in place: the parameter object never changes
+            _WHOLE[p] = [kept, 1]
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
@@ -156,25 +146,14 @@ class GatheredParameters:
 
     @torch.no_grad()
     def _release_sharded(self, keep: bool) -> None:
-        done: list[tuple[nn.Parameter, torch.Tensor]] = []
         for p in self._sharded:
             entry = _WHOLE[p]
             entry[1] -= 1
-            if entry[1] == 0:
-                del _WHOLE[p]
-                done.append((p, entry[0]))
-        if not done:
-            return
-        wholes = []
-        for p, own in done:
-            whole = p.data
+            if entry[1]:
+                continue  # an enclosing block frees it
+            del _WHOLE[p]
             if keep and _distributed():
-                whole = whole.contiguous()
-                dist.broadcast(whole, src=self._modifier_rank)
-            wholes.append(whole)
-            p.data = own  # back to the freed storage zero.Init registered
-        if keep:
-            with _init_context():
-                for (p, _), whole in zip(done, wholes):
-                    p.data.copy_(whole)  # an overwrite inside the context: this rank keeps its slice
-
+                dist.broadcast(p.data, src=self._modifier_rank)  # the modifier's whole value on every rank
+            reshard_init_param(p)  # this rank keeps its slice; the whole value is freed
+            if not keep and entry[0] is not None:
+                init_shard_of(p).copy_(entry[0])  # read-only: the shard as it was on entry

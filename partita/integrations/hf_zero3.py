@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.integrations.hf_gathered import GatheredParameters, is_engine_managed
+
 __all__ = ["HfZero3", "PartitaHfZero3Config", "active_config", "enable_zero3", "save_pretrained"]
 
 # The module names the alias occupies while enabled (what transformers 5.24 imports).
@@ -215,8 +217,6 @@ def _alias_modules() -> dict[str, types.ModuleType]:
     import partita.accelerator
     import partita.comm
     import partita.zero
-    from partita.integrations.hf_gathered import GatheredParameters
-
     zero_names = {
         "Init": partita.zero.Init,
         "GatheredParameters": GatheredParameters,
@@ -292,10 +292,8 @@ def save_pretrained(model_or_engine: Any, save_directory: str | os.PathLike, *, 
 def _gathered_state_dict(module: nn.Module, *, fp32: bool) -> dict[str, torch.Tensor]:
     """Every ``state_dict`` key of ``module`` as a CPU tensor on rank 0 (``{}`` elsewhere), each
     parameter gathered alone; a tied weight is one tensor under each of its names."""
-    from partita.integrations.hf_gathered import GatheredParameters, _engine_managed
-
     entries = module.state_dict(keep_vars=True)
-    if fp32 and any(_engine_managed(t) for t in entries.values()):
+    if fp32 and any(is_engine_managed(t) for t in entries.values()):
         raise ValueError(
             "save_pretrained(model, fp32=True): an engine trains this model, and its fp32 weights are the optimizer's "
             "master copy; pass the engine instead: save_pretrained(engine, dir, fp32=True)"
