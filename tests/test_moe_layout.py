@@ -139,3 +139,15 @@ def test_gradients_reach_each_expert_as_with_its_own_forward(drop_tokens: bool, 
     for name, param in moe.named_parameters():
         assert param.grad is not None and param.grad.shape == param.shape, name
         assert torch.allclose(param.grad, ref[name].grad, atol=1e-4, rtol=1e-5), name
+
+
+def test_experts_forward_is_deepspeeds_chunked_call() -> None:
+    """``Experts.forward`` as DeepSpeed's: chunks along dim 1, chunk j through local expert j."""
+    moe = MoE(HIDDEN, GatedExpert(HIDDEN, 12), num_experts=3, k=1)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_()
+    x = torch.randn(2, 3, 4, HIDDEN)  # (ep, local experts, capacity, hidden)
+    out = moe.experts(x)
+    expected = torch.cat([e(x[:, j : j + 1])[0] for j, e in enumerate(moe.experts.deepspeed_experts)], dim=1)
+    assert torch.equal(out, expected)

@@ -24,8 +24,9 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.ep_size = config.moe_experts, config.moe_top_k, config.moe_ep_size
         template = ExpertMLP(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        # GPT-2's initialisation (the GPT's own init does not reach the stacked expert weights);
-        # every expert starts as a copy of it, as DeepSpeed's MoE copies its expert module.
+        # GPT-2's initialisation (the GPT's own init skips the experts: drawing there would consume the
+        # generator by the number of experts this rank holds); every expert starts as a copy of it, as
+        # DeepSpeed's MoE copies its expert module (moe.deepspeed_moe.experts.deepspeed_experts[j]).
         with torch.no_grad():
             nn.init.normal_(template.fc1.weight, std=0.02)
             nn.init.normal_(template.fc2.weight, std=0.02 / math.sqrt(2 * config.n_layer))
