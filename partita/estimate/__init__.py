@@ -4,8 +4,10 @@
 into parameters, gradients, optimizer states (fp32 master included), activations and
 buffers. Model states are derived from partita's own layout rules and match its allocation
 exactly; activations use a formula for partita's reference GPT (validated against measured
-saved-tensor bytes); buffers are upper estimates. ``recommend_config(model, "141GB")`` walks
-the setups from fastest to slowest and returns the first that fits, with the reasons.
+saved-tensor bytes); buffers are upper estimates. ``MemoryEstimate.reserved_accelerator`` adds
+the CUDA caching allocator's rounding and fragmentation (:mod:`partita.estimate.allocator`).
+``recommend_config(model, "141GB")`` walks the setups from fastest to slowest and returns the
+first whose predicted reserved memory fits, with the reasons.
 The ``partita estimate`` command is the same from a shell.
 """
 

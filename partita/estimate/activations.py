@@ -47,7 +47,18 @@ final LayerNorm input and output (``2bsh``) + stats; the fp32 log-probabilities 
 backward; a caller that keeps only the loss frees them, and the peak is that much lower). At the start of backward the gradients of the log-probabilities and of the
 fp32 logits (``2 x bsV x 4``) exist together with everything above.
 
-Validated against saved-tensor bytes measured on CPU in tests/test_estimate_activations.py.
+Sequence tiling (``sequence_tiling``, partita/sequence/tiling.py): with ``mlp_tile_tokens`` each
+MLP saves only its input, so a block keeps ``8bsh`` elements instead of ``16bsh`` (and one dropout
+mask instead of two); backward rebuilds one tile's fc and GELU outputs at a time (``3 x tile x 4h``
+elements with their gradients) and sums the MLP's weight gradients in fp32 (``4 x 8h^2`` bytes).
+With ``loss_tile_tokens`` the head keeps each token's fp32 log-sum-exp (``4bs`` bytes) instead of
+the ``bsV`` fp32 log-probabilities, returns no logits, and its backward holds one tile's fp32
+probabilities and their cast (``tile x V x (4 + d)``), the fp32 head-weight accumulator (``4Vh``)
+and the hidden states' gradient (``bsh x d``). Selective checkpointing with a tiled MLP is not
+modelled (refused).
+
+Validated against saved-tensor bytes measured on CPU in tests/test_estimate_activations.py and
+tests/test_estimate_frozen_tiling.py (tiled).
 """
 
 from __future__ import annotations

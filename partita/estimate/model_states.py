@@ -41,6 +41,10 @@ code that allocates the tensors:
   a swap file of whole ``aio.block_size`` blocks, plus ``buffer_count`` read/write buffers of
   ``buffer_size`` elements (each over-allocated by one page) when any shard is on disk.
 
+Frozen parameters (no optimizer group): whole in the model dtype on every rank, except at ZeRO-3
+those built under ``zero.Init`` and above the persistence threshold, of which each rank keeps its
+``ceil(numel / N)``-element shard (``partita/zero/frozen_params.py``); no gradient, master or state.
+
 Offload (``zero_optimization.offload_optimizer``, ``partita/offload``): an offloaded group's
 fp32 master, fp32 gradient partition and optimizer states live in host memory ("cpu"); with
 "nvme" the states shaped like the master go to swap files (one per state and sub-group of

@@ -47,7 +47,7 @@ def format_estimate(estimate: MemoryEstimate) -> str:
     if estimate.reserved is not None and estimate.reserved.model.kind != "none":
         r = estimate.reserved
         rows.append(("reserved", f"~ with the caching allocator ({r.model.describe()}: +{format_bytes(r.rounding + r.pages)} "
-                     f"rounding, +{format_bytes(r.fragmentation)} fragmentation)",
+                     f"rounding and segment ends, +{format_bytes(r.fragmentation)} fragmentation)",
                      [format_bytes(estimate.reserved_accelerator)] + [""] * (len(devices) - 1)))
 
     widths = [max(len(r[0]) for r in rows + [("category", "", [])]), max(len(r[1]) for r in rows + [("", "item", [])])]
