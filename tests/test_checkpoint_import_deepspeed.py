@@ -23,15 +23,15 @@ from safetensors.torch import load_file
 from partita.checkpoint.cli import main as checkpoint_main
 from partita.checkpoint.import_deepspeed import import_deepspeed
 from partita.checkpoint.import_deepspeed_read import DeepSpeedImportError
-from tests.fixtures.make_deepspeed_checkpoints import (BETAS, EPS, GLOBAL_BATCH, LR, TAG, WARMUP, WEIGHT_DECAY, TinyNet,
-                                                       param_groups, rank_slice)
+from tests.fixtures.make_deepspeed_checkpoints import (BETAS, DS_ADAMW, EPS, GLOBAL_BATCH, LR, OPTIMIZERS, TAG, WARMUP,
+                                                       WEIGHT_DECAY, TinyNet, make_optimizer, param_groups, rank_slice)
 from tests.harness import run_distributed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 RUNS = EXPECTED["runs"]
 STAGES = ("zero0", "zero1", "zero2", "zero3")
-FP32 = (*STAGES, "zero3_subgroups", "zero2_tied_frozen", "zero3_tied_frozen")
+FP32 = (*STAGES, "zero3_subgroups", "zero2_tied_frozen", "zero3_tied_frozen", "zero2_ds_adamw", "zero1_sgd")
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +119,26 @@ def test_meta_carries_counters_groups_scheduler_client_state(imported, stage):
     assert {float(v) for v in step.values()} == {3.0}  # Adam's step, one per group
 
 
+def test_optimizer_class_and_state_of_deepspeeds_adamw_and_torchs_sgd(imported):
+    """DeepSpeed's own AdamW (FusedAdam: int step, list betas) imports as torch's AdamW state; SGD's momentum."""
+    adamw = json.loads((imported["zero2_ds_adamw"] / "meta.json").read_text())["optimizer"]
+    assert adamw["class"] == "torch.optim.adamw.AdamW"
+    assert adamw["groups"][0]["hyperparameters"]["betas"] == {"__tuple__": list(BETAS)}
+    assert adamw["groups"][0]["hyperparameters"]["bias_correction"] is True
+    step = load_file(str(imported["zero2_ds_adamw"] / "state.safetensors"))
+    assert [(v.dtype, float(v)) for v in step.values()] == [(torch.float32, 3.0)] * 2
+    sgd = json.loads((imported["zero1_sgd"] / "meta.json").read_text())["optimizer"]
+    assert sgd["class"] == "torch.optim.sgd.SGD"
+    assert [g["partition_state"] for g in sgd["groups"]] == [["momentum_buffer"]] * 2
+    assert [g["scalar_state"] for g in sgd["groups"]] == [{}, {}]
+    rank = load_file(str(imported["zero1_sgd"] / "rank00000.safetensors"))
+    assert rank["state/momentum_buffer/fc2.weight"].shape == (33,) and rank["state/momentum_buffer/fc2.weight"].abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------- resuming
 
 
-def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, accumulation: int,
+def _resume(paths: list[str], tied: list[bool], kinds: list[str], stages: list[int], micro: int, accumulation: int,
             via_config: bool) -> list[dict]:
     """On every rank: per imported checkpoint, resume partita at ``stages[i]`` and train 2 steps;
     ``via_config``: by ``checkpoint.resume: "latest"`` in initialize, else by engine.load_checkpoint."""
@@ -130,10 +146,10 @@ def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, a
 
     out = []
     rank, world = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0, None
-    for path, tie, stage in zip(paths, tied, stages):
+    for path, tie, kind, stage in zip(paths, tied, kinds, stages):
         torch.manual_seed(123)  # other weights than DeepSpeed's: the checkpoint must replace them
         model = TinyNet(tied=tie)
-        optimizer = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
+        optimizer = make_optimizer(model, kind)  # the same optimizer as DeepSpeed's run
         config = {
             "train_batch_size": GLOBAL_BATCH,
             "train_micro_batch_size_per_gpu": micro,
@@ -145,7 +161,10 @@ def _resume(paths: list[str], tied: list[bool], stages: list[int], micro: int, a
         }
         if via_config:
             config["checkpoint"] = {"save_dir": path, "resume": "latest"}
-        engine, _, _, _ = partita.initialize(model=model, optimizer=optimizer, config=config)
+        if optimizer is None:  # DeepSpeed's config section {"type": "AdamW"}: partita builds torch's AdamW
+            config["optimizer"] = DS_ADAMW
+        extra = {"optimizer": optimizer} if optimizer is not None else {"model_parameters": param_groups(model)}
+        engine, _, _, _ = partita.initialize(model=model, config=config, **extra)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         client_state = {"epoch": 1, "note": "fixture"} if via_config else engine.load_checkpoint(path)[1]
         record = {"client_state": client_state, "global_steps": [engine.global_steps], "lr": [], "loss": [], "params": []}
@@ -184,19 +203,20 @@ def _check_resumed(records: list[dict], where: str) -> None:
 
 
 def _resume_args(imported: dict[str, Path], stages: list[int]) -> tuple:
-    return [str(imported[r].parent) for r in FP32], [r.endswith("tied_frozen") for r in FP32], stages
+    kinds = [OPTIMIZERS.get(r, "torch_adamw") for r in FP32]
+    return [str(imported[r].parent) for r in FP32], [r.endswith("tied_frozen") for r in FP32], kinds, stages
 
 
 def test_resume_on_four_ranks_equals_deepspeeds_resume(imported):
     """DeepSpeed's 2-rank checkpoints, resumed on 4 ranks (micro-batch 2) at other ZeRO stages, by the
     config's ``checkpoint.resume``."""
-    records = run_distributed(_resume, 4, *_resume_args(imported, [3, 3, 1, 2, 1, 3, 0]), 2, 1, True, timeout=600)[0]
+    records = run_distributed(_resume, 4, *_resume_args(imported, [3, 3, 1, 2, 1, 3, 0, 3, 2]), 2, 1, True, timeout=600)[0]
     _check_resumed(records, "world 4")
 
 
 def test_resume_on_one_rank_equals_deepspeeds_resume(imported):
     """The same on 1 rank with 2 micro-batches of 4 accumulated, at ZeRO 0 and 3."""
-    records = run_distributed(_resume, 1, *_resume_args(imported, [3, 0, 3, 0, 0, 3, 2]), 4, 2, False, timeout=600)[0]
+    records = run_distributed(_resume, 1, *_resume_args(imported, [3, 0, 3, 0, 0, 3, 2, 0, 3]), 4, 2, False, timeout=600)[0]
     _check_resumed(records, "world 1")
 
 

@@ -82,7 +82,11 @@ def _scalars(scalars: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "step")}
+    """A param group's hyperparameters; DeepSpeed's FusedAdam keeps ``betas`` as a list (torch: a tuple)."""
+    out = {k: v for k, v in group.items() if k not in ("params", "step")}
+    if isinstance(out.get("betas"), list):
+        out["betas"] = tuple(out["betas"])
+    return out
 
 
 def _cut(flat: torch.Tensor, names: list[str], shapes: list[tuple[int, ...]], gaps: list[int]) -> dict[str, torch.Tensor]:
