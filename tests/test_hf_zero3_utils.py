@@ -352,3 +352,67 @@ def test_save_pretrained_refuses_what_it_sets_itself(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="sets state_dict= itself"):
         save_pretrained(_build("gpt2"), tmp_path, state_dict={})
+
+
+# ---------------------------------------------------------------------------- host memory of from_pretrained
+def _peak_rss_during(fn) -> tuple[object, int]:
+    """``fn()``'s result and this process's peak resident memory above its start (bytes): the
+    kernel's high-water mark, reset first (Linux /proc/self/clear_refs)."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = status("VmRSS:")
+    out = fn()
+    return out, status("VmHWM:") - start
+
+
+def _load_and_measure(saved: str, warmup: str) -> dict:
+    """Peak resident memory of one ``from_pretrained`` of ``saved`` under the hook on this rank,
+    after a warm-up load of the tiny ``warmup`` model (imports and first-use caches not counted);
+    then, as the instrument's control, the peak while the whole model is gathered."""
+    import ctypes
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import partita
+    from partita.integrations.hf_zero3 import enable_zero3
+
+    # Large blocks from mmap, returned to the kernel when freed: the resident size then follows the
+    # live bytes (glibc's adaptive threshold would keep freed blocks in its heap and count them).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    partita.init_distributed()
+    with enable_zero3(_config(dist.get_world_size())):
+        AutoModelForCausalLM.from_pretrained(warmup)
+        model, peak = _peak_rss_during(lambda: AutoModelForCausalLM.from_pretrained(saved))
+        freed = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        _, whole_peak = _peak_rss_during(lambda: _whole(model, keep=False))
+        return {"peak": peak, "whole_peak": whole_peak, "freed": freed,
+                "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_from_pretrained_under_zero3_holds_no_whole_copy_on_the_ranks_that_read_no_checkpoint(saved, tmp_path) -> None:
+    """GPT-2 of 19.4 M parameters (74 MiB in fp32, the largest 4 MiB), 2 ranks. Rank 1 reads no
+    checkpoint (transformers gives it meta tensors) and holds its half of the shards plus one
+    module's parameters at a time; rank 0 also holds transformers' whole checkpoint dict while
+    loading (transformers' ZeRO-3 loader reads the file on rank 0, as under DeepSpeed). The
+    control: gathering the whole model afterwards raises the peak by at least its size."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_head=8, n_embd=512, vocab_size=1024, n_positions=64,
+                                       bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(tmp_path / "big")
+    del model
+    ranks = run_distributed(_load_and_measure, 2, str(tmp_path / "big"), saved["gpt2"], timeout=500)
+    size = ranks[0]["model_bytes"]
+    for rank, r in enumerate(ranks):  # MiB, for the record (pytest -s)
+        print(f"rank {rank}: model {size / 2**20:.1f} MiB; peak resident growth during from_pretrained "
+              f"{r['peak'] / 2**20:.1f} MiB, while gathered whole {r['whole_peak'] / 2**20:.1f} MiB")
+    assert all(r["freed"] for r in ranks)
+    assert ranks[1]["peak"] < 0.75 * size  # half the shards plus one module: never the whole model
+    assert all(r["whole_peak"] > 0.9 * size for r in ranks)  # the instrument sees a whole copy where there is one
