@@ -23,6 +23,7 @@ A second 2-rank run loads a larger model and reads each rank's peak resident mem
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import types
 
@@ -39,7 +40,8 @@ FAMILIES = ("gpt2", "llama")
 VOCAB, SEQ, LR, EPS = 96, 16, 5e-3, 1e-6
 RESIZED = VOCAB + 5  # mean-resizing adds 5 rows; pad_to_multiple_of=8 then pads to 104
 PADDED = 104
-MAX_NEW = (2, 5)  # tokens generated on rank 0 and rank 1: the ranks finish at different steps
+MAX_NEW = (2, 5)
+MISSING = ("transformer.h.0.mlp.c_fc.weight", "transformer.h.1.attn.c_attn.bias")  # left out of one saved file  # tokens generated on rank 0 and rank 1: the ranks finish at different steps
 CONFIG = {
     "train_batch_size": 2,
     "gradient_accumulation_steps": 1,
@@ -87,7 +89,7 @@ def _whole(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]
 
 def _client(saved: dict[str, str], out_dir: str) -> dict:
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     import partita
@@ -143,6 +145,10 @@ def _client(saved: dict[str, str], out_dir: str) -> dict:
             save_pretrained(engine, os.path.join(out_dir, f"engine32-{family}"), fp32=True)
             results[family] = r
             del engine, model
+        torch.manual_seed(4)
+        results["missing"] = _whole(AutoModelForCausalLM.from_pretrained(saved["gpt2-missing"]), keep)
+        torch.manual_seed(3)
+        results["from_config"] = _whole(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(saved["gpt2"])))
         results["hook_closed_early"] = hook.closed
     results["flag_off"] = not is_deepspeed_zero3_enabled()
     results["alias_gone"] = "deepspeed" not in sys.modules
@@ -191,6 +197,14 @@ def saved(tmp_path_factory) -> dict[str, str]:
         model.generation_config.do_sample = False
         model.save_pretrained(root / family)
         out[family] = str(root / family)
+    # GPT-2 with two entries missing from the file: from_pretrained initialises them.
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(root / "gpt2" / "model.safetensors")
+    del state[MISSING[0]], state[MISSING[1]]
+    shutil.copytree(root / "gpt2", root / "gpt2-missing")
+    save_file(state, root / "gpt2-missing" / "model.safetensors", metadata={"format": "pt"})
+    out["gpt2-missing"] = str(root / "gpt2-missing")
     return out
 
 
@@ -240,6 +254,28 @@ def test_from_pretrained_lands_the_saved_weights_in_zero_init_shards(run, saved,
         assert torch.equal(loaded[name], tensor), name
     if family == "gpt2":  # the tied head: not in the file, the embedding's values
         assert torch.equal(loaded["lm_head.weight"], file["transformer.wte.weight"])
+
+
+def test_from_pretrained_initialises_missing_keys_as_the_unsharded_load(run, saved) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _, ranks, _ = run
+    torch.manual_seed(4)
+    want = AutoModelForCausalLM.from_pretrained(saved["gpt2-missing"]).state_dict()
+    _equal(ranks[0]["missing"], dict(want))
+    assert float(want[MISSING[0]].std()) > 0.01 and not want[MISSING[1]].any()  # initialised: normal(0.02), zeros
+
+
+def test_from_config_initialises_on_rank_0_and_every_rank_holds_its_values(run) -> None:
+    """transformers' ZeRO-3 from_config builds without initialising, then initialises module by
+    module on rank 0 (its own order, so not an unsharded build's random stream): every rank must
+    get rank 0's values, and they are an initialisation (the config's std, zero biases, unit norms)."""
+    _, ranks, _ = run
+    first = ranks[0]["from_config"]
+    for r in ranks[1:]:
+        _equal(r["from_config"], first)
+    assert abs(float(first["transformer.h.0.mlp.c_fc.weight"].std()) - 0.02) < 0.002
+    assert not first["transformer.h.0.mlp.c_fc.bias"].any() and bool((first["transformer.ln_f.weight"] == 1).all())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
