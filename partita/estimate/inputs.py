@@ -354,9 +354,11 @@ class Setup:
         fold = ""
         if self.world_size == 1 and self.fold_gradients_at_end:
             fold = ", one_rank_gradient_fold " + ("stream" if self.streamed_step else "end")
+        tiles = [f"{what} tiled by {n}" for what, n in (("loss", self.loss_tile_tokens), ("MLP", self.mlp_tile_tokens))
+                 if n is not None]
         return (
             f"{self.dtype}, ZeRO stage {self.stage}, world size {self.world_size}, micro-batch {self.micro_batch}{gas}, "
-            f"{self.optimizer}, checkpointing {ckpt}, offload {offload}{fold}"
+            f"{self.optimizer}, checkpointing {ckpt}, offload {offload}{fold}" + "".join(", " + t for t in tiles)
         )
 
     @classmethod
