@@ -335,7 +335,7 @@ def test_save_pretrained_writes_what_from_pretrained_loads(run, references, fami
     assert before.generation_config.max_new_tokens == 3
     for kind in ("engine16", "engine32"):
         after = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"{kind}-{family}"))
-        assert after.config.vocab_size == PADDED
+        assert after.config.vocab_size == PADDED and after.generation_config.max_new_tokens == 3
         _equal(dict(after.state_dict()), r["trained"])  # fp32 model: the masters are the weights
 
 

@@ -29,6 +29,9 @@ loading and sharding across ranks, is the Trainer's own):
   ``train(resume_from_checkpoint=...)`` resumes from it (weights, optimizer, scheduler, step).
 
 A model built inside ``partita.zero.Init(config_dict_or_path=...)`` can be passed as is.
+transformers' own ZeRO-3 utilities (``from_pretrained`` into shards, ``resize_token_embeddings``,
+``generate`` with ``synced_gpus``) run on partita once :func:`enable_zero3` is on
+(:mod:`partita.integrations.hf_zero3`, re-exported here with its :func:`save_pretrained`).
 Limits: an epoch whose micro-batch count is not a multiple of ``gradient_accumulation_steps``
 is refused at its last partial window (the engine steps only at full windows);
 ``num_items_in_batch`` token weighting across micro-batches is not used (each micro-batch's
@@ -46,8 +49,9 @@ from transformers import Trainer
 from transformers.optimization import get_scheduler
 
 from partita.integrations.hf_config import resolve_trainer_config
+from partita.integrations.hf_zero3 import HfZero3, enable_zero3, save_pretrained
 
-__all__ = ["PartitaTrainer"]
+__all__ = ["HfZero3", "PartitaTrainer", "enable_zero3", "save_pretrained"]
 
 logger = logging.getLogger("partita")
 
