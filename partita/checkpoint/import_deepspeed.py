@@ -95,6 +95,7 @@ def import_deepspeed(
     else:
         groups = _stage0_groups(model_states, stage0_param_names)
     module = _module_state(model_states, groups, [safe_load(p) for p in files.model_states[1:]] if stage == 3 else [])
+    model_states["module"] = None  # DeepSpeed's copies of the weights: the rebuilt ones replace them
     if rename:
         model_states = _renamed(model_states, groups, module, rename)
         module = {_new_name(k, rename): v for k, v in module.items()}

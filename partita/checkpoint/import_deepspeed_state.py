@@ -99,13 +99,27 @@ def _cut(flat: torch.Tensor, names: list[str], shapes: list[tuple[int, ...]], ga
                 f"the flat partitions hold {flat.numel()} elements but parameter {name!r} needs elements "
                 f"[{offset}, {offset + n}); the optimizer files do not belong to this model file (param_shapes)"
             )
-        out[name] = flat[offset : offset + n].clone()
+        out[name] = flat[offset : offset + n]  # a view: the whole vector is exactly these plus small gaps
         offset += n + gap
     return out
 
 
+def _take(owners: list[tuple[Any, Any]], stop: list[int]) -> torch.Tensor:
+    """Concatenate ``owner[key][:stop[r]]`` over the ranks, dropping each rank's tensor from its
+    container as soon as it is copied: the peak holds DeepSpeed's partitions and the whole
+    tensors of one state kind at a time, not two copies of everything."""
+    pieces = []
+    for (container, key), n in zip(owners, stop):
+        pieces.append(container[key].reshape(-1)[:n])
+        container[key] = None
+    whole = torch.cat(pieces).float()
+    del pieces
+    return whole
+
+
 def groups_from_stage12(model_states: dict[str, Any], optim: list[dict[str, Any]]) -> list[ImportedGroup]:
-    """ZeRO 1-2: rebuild each group from every rank's ``optimizer_state_dict``."""
+    """ZeRO 1-2: rebuild each group from every rank's ``optimizer_state_dict`` (consumed: its
+    tensors are released as they are copied)."""
     shapes_per_group = model_states["param_shapes"]
     base0 = optim[0]["base_optimizer_state"]
     param_groups = base0["param_groups"] if isinstance(base0, dict) else None
@@ -114,30 +128,28 @@ def groups_from_stage12(model_states: dict[str, Any], optim: list[dict[str, Any]
         names = list(shapes.keys())
         shape_list = [tuple(int(d) for d in s) for s in shapes.values()]
         gaps = list(optim[0].get("param_alignment_paddings", [[0] * len(names)] * len(shapes_per_group))[g])
-        lean = [rank["single_partition_of_fp32_groups"][g].reshape(-1) for rank in optim]
-        flat = torch.cat(lean).float()
+        lean = [int(rank["single_partition_of_fp32_groups"][g].numel()) for rank in optim]
+        flat = _take([(rank["single_partition_of_fp32_groups"], g) for rank in optim], lean)
         group = ImportedGroup(names=names, shapes=shape_list, masters={
             n: t.view(s) for (n, t), s in zip(_cut(flat, names, shape_list, gaps).items(), shape_list)})
-        pieces: dict[str, list[torch.Tensor]] = {}
-        scalars: dict[str, Any] = {}
-        for r, rank in enumerate(optim):
-            base = rank["base_optimizer_state"]
-            # Non-elastic: the torch optimizer's state_dict, group g's one flat tensor is state[g]
-            # (padding kept); elastic: a list with group g's state, padding removed.
-            state = base["state"].get(g, {}) if isinstance(base, dict) else base[g]
-            element, rank_scalars = _split_state(state, lean[r].numel())
-            for key, value in element.items():
-                pieces.setdefault(key, []).append(value[: lean[r].numel()])
-            if r == 0:
-                scalars = rank_scalars
+        del flat
+        # Non-elastic: the torch optimizer's state_dict, group g's one flat tensor is state[g]
+        # (padding kept); elastic: a list with group g's state, padding removed.
+        states = [rank["base_optimizer_state"]["state"].get(g, {}) if isinstance(base0, dict)
+                  else rank["base_optimizer_state"][g] for rank in optim]
+        for state, n in zip(states, lean):
+            _split_state(state, n)  # refuses state that is not per element
+        element, scalars = _split_state(states[0], lean[0])
         if param_groups is not None:
             hyper_source = param_groups[g]
         else:  # elastic: no param groups saved; the step is saved once
             hyper_source = {"step": optim[0].get("base_optimizer_state_step")} if "base_optimizer_state_step" in optim[0] else {}
         group.scalars = _scalars(scalars, hyper_source)
         group.hyperparameters = _hyper(hyper_source)
-        group.state = {key: {n: t.reshape(-1) for n, t in _cut(torch.cat(p).float(), names, shape_list, gaps).items()}
-                       for key, p in pieces.items()}
+        for key in element:
+            whole = _take([(state, key) for state in states], lean)
+            group.state[key] = {n: t.reshape(-1) for n, t in _cut(whole, names, shape_list, gaps).items()}
+            del whole
         groups.append(group)
     return groups
 
@@ -160,29 +172,45 @@ def groups_from_stage3(model_states: dict[str, Any], optim: list[dict[str, Any]]
     groups = [ImportedGroup(names=[], shapes=[], hyperparameters=_hyper(pg)) for pg in param_groups]
     for sub, shapes in enumerate(shapes_per_sub):
         target = groups[sub_to_group[sub]]
-        flats = [rank["fp32_flat_groups"][sub].reshape(-1).float() for rank in optim]
+        numel = int(optim[0]["fp32_flat_groups"][sub].numel())
         states = [rank["optimizer_state_dict"]["state"].get(sub, {}) for rank in optim]
-        split = [_split_state(s, f.numel()) for s, f in zip(states, flats)]
+        for state in states:
+            _split_state(state, numel)  # refuses state that is not per element
+        element, scalars = _split_state(states[0], numel)
         if not target.scalars:
-            target.scalars = _scalars(split[0][1], param_groups[sub_to_group[sub]])
-        offset = 0
+            target.scalars = _scalars(scalars, param_groups[sub_to_group[sub]])
+        layout, offset = [], 0  # (name, shape, numel, offset of its piece, piece size)
         for name, shape in shapes.items():
             shape = tuple(int(d) for d in shape)
             n = _numel(shape)
             piece = math.ceil(n / world)
-            if offset + piece > flats[0].numel():
+            if offset + piece > numel:
                 raise DeepSpeedImportError(
-                    f"rank 0's ZeRO-3 partition of sub-group {sub} holds {flats[0].numel()} elements but parameter "
+                    f"rank 0's ZeRO-3 partition of sub-group {sub} holds {numel} elements but parameter "
                     f"{name!r} needs [{offset}, {offset + piece}); the optimizer files do not belong to this model file"
                 )
-            target.names.append(name)
-            target.shapes.append(shape)
-            target.masters[name] = torch.cat([f[offset : offset + piece] for f in flats])[:n].clone().view(shape)
-            for key in split[0][0]:
-                whole = torch.cat([s[0][key][offset : offset + piece] for s in split])[:n].float()
-                target.state.setdefault(key, {})[name] = whole.clone()
+            layout.append((name, shape, n, offset, piece))
             offset += piece
+        target.names += [entry[0] for entry in layout]
+        target.shapes += [entry[1] for entry in layout]
+        masters = _gather_pieces([(rank["fp32_flat_groups"], sub) for rank in optim], layout)
+        target.masters.update({name: masters[name].view(shape) for name, shape, *_ in layout})
+        for key in element:
+            target.state.setdefault(key, {}).update(_gather_pieces([(state, key) for state in states], layout))
     return groups
+
+
+def _gather_pieces(owners: list[tuple[Any, Any]], layout: list[tuple[str, tuple[int, ...], int, int, int]]) -> dict[str, torch.Tensor]:
+    """ZeRO 3: each parameter whole from its piece in every rank's flat tensor ``owner[key]``
+    (released from its container once read, as :func:`_take` does)."""
+    flats = []
+    for container, key in owners:
+        flats.append(container[key].reshape(-1))
+        container[key] = None
+    out = {name: torch.cat([f[offset : offset + piece] for f in flats])[:n].float().clone()
+           for name, _, n, offset, piece in layout}
+    del flats
+    return out
 
 
 def stage0_names(module_state: dict[str, Any], buffer_names: list[str], groups: list[dict[str, Any]],
