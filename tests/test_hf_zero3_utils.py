@@ -452,3 +452,46 @@ def test_from_pretrained_under_zero3_holds_no_whole_copy_on_the_ranks_that_read_
     assert all(r["freed"] for r in ranks)
     assert ranks[1]["peak"] < 0.75 * size  # half the shards plus one module: never the whole model
     assert all(r["whole_peak"] > 0.9 * size for r in ranks)  # the instrument sees a whole copy where there is one
+
+
+# ---------------------------------------------------------------------------- bf16: model dtype and fp32 masters
+def _client_bf16(saved: str, out_dir: str) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import partita
+    from partita.integrations.hf_zero3 import enable_zero3, save_pretrained
+
+    partita.init_distributed()
+    cfg = {**_config(dist.get_world_size()), "bf16": {"enabled": True}}
+    keep = dist.get_rank() == 0
+    with enable_zero3(cfg):
+        model = AutoModelForCausalLM.from_pretrained(saved)
+        loaded = _whole(model, keep)
+        engine, _, _, _ = partita.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        ids = _batch() % VOCAB
+        rank = dist.get_rank()
+        out = engine(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1])
+        engine.backward(out.loss)
+        engine.step()
+        weights = _whole(model, keep)
+        masters = engine.get_fp32_state_dict()
+        save_pretrained(engine, os.path.join(out_dir, "bf16"))
+        save_pretrained(engine, os.path.join(out_dir, "fp32"), fp32=True)
+    return {"loaded": loaded, "weights": weights, "masters": masters if keep else None}
+
+
+def test_save_pretrained_of_a_bf16_engine_writes_its_weights_or_its_fp32_masters(saved, tmp_path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    r = run_distributed(_client_bf16, 2, saved["gpt2"], str(tmp_path), timeout=500)[0]
+    file = load_file(os.path.join(saved["gpt2"], "model.safetensors"))
+    for name, tensor in file.items():  # zero.Init built the model in the config's dtype
+        assert r["loaded"][name].dtype == torch.bfloat16 and torch.equal(r["loaded"][name], tensor.bfloat16()), name
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert bf16.dtype == torch.bfloat16
+    _equal(dict(bf16.state_dict()), r["weights"])
+    fp32 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32)
+    _equal(dict(fp32.state_dict()), r["masters"])
+    assert any(not torch.equal(r["masters"][n].bfloat16().float(), r["masters"][n]) for n in r["masters"])  # not bf16 values
