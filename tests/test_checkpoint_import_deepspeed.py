@@ -135,6 +135,28 @@ def test_optimizer_class_and_state_of_deepspeeds_adamw_and_torchs_sgd(imported):
     assert rank["state/momentum_buffer/fc2.weight"].shape == (33,) and rank["state/momentum_buffer/fc2.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", sorted(EXPECTED["schedules"]))
+def test_scheduler_position_continues_deepspeeds_schedule(kind):
+    """DeepSpeed's state after 3 steps, imported into partita's schedule of the same config: the next
+    5 learning rates are DeepSpeed's (recorded from deepspeed.runtime.lr_schedules itself)."""
+    from partita.checkpoint.import_deepspeed import _scheduler_state
+    from partita.optim.config import SchedulerConfig
+    from partita.optim.schedulers import build_scheduler
+
+    recorded = EXPECTED["schedules"][kind]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    scheduler = build_scheduler(SchedulerConfig.model_validate({"type": kind, "params": recorded["params"]}), optimizer)
+    state = _scheduler_state(recorded["state"], {"scheduler": {"type": kind}})
+    assert state == {"last_epoch": 3, "_step_count": 4}
+    scheduler.load_state_dict(state)
+    lrs = []
+    for _ in recorded["next_lrs"]:
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx(recorded["next_lrs"], rel=1e-12, abs=1e-15)
+
+
 # ---------------------------------------------------------------------------- resuming
 
 
@@ -416,6 +438,11 @@ def test_command_line(tmp_path, capsys):
     assert capsys.readouterr().out == (
         f"wrote {out / TAG} from DeepSpeed 0.19.8 ZeRO-3 (2 ranks), step 3, 4 parameters\n")
     assert checkpoint_main(["verify", str(out)]) == 0
+    assert checkpoint_main(["consolidate", str(out), str(tmp_path / "whole")]) == 0  # DeepSpeed's zero_to_fp32, in effect
+    whole = load_file(str(tmp_path / "whole" / "model-00001-of-00001.safetensors"))
+    for name, values in RUNS["zero3"]["saved"]["params"].items():
+        assert torch.equal(whole[name].reshape(-1), torch.tensor(values)), name
+    capsys.readouterr()
     assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero3"), str(out), "--tag", "nope"]) == 2
     assert capsys.readouterr().err.endswith(
         f"partita checkpoint: error: {FIXTURES / 'zero3'} has no tag 'nope' (tags there: {TAG}); pass one of them "

@@ -45,7 +45,6 @@ _ENGINE_KEYS = frozenset({
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autotp_universal_checkpoint_info",
 })
-_DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 def import_deepspeed(
@@ -284,19 +283,14 @@ def _optimizer_class(config: dict[str, Any], groups: list[ImportedGroup]) -> str
 
 def _scheduler_state(state: Any, config: dict[str, Any]) -> Any:
     """DeepSpeed's schedulers save ``{"last_batch_iteration": i}``; partita's are torch schedulers
-    counting completed steps in ``last_epoch``. DeepSpeed's OneCycle, and its Warmup* schedules,
-    whose counter lags one step, hold ``formula(i)`` of partita's ``last_epoch = i + 1``
-    (partita.optim.schedulers). Only the counter is written: torch's load_state_dict updates the
-    attributes it is given, so the schedule's settings stay those of the resumed run's config."""
+    counting completed steps in ``last_epoch`` on DeepSpeed's step convention
+    (partita.optim.schedulers), so DeepSpeed's ``i`` is partita's ``last_epoch = i + 1`` for
+    WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle alike. Only the counter is written:
+    torch's load_state_dict updates the attributes it is given, so the schedule's settings stay
+    those of the resumed run's config."""
     if not (isinstance(state, dict) and set(state) == {"last_batch_iteration"}):
         return state  # a torch scheduler passed to deepspeed.initialize: its own state_dict
-    kind = (config.get("scheduler") or {}).get("type")
     step = int(state["last_batch_iteration"]) + 1
-    from partita.optim import schedulers
-
-    cls = getattr(schedulers, str(kind), None)
-    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR") and cls is not None and not hasattr(cls, "last_batch_iteration"):
-        step -= 1  # a partita whose Warmup* schedules do not lag: formula(last_epoch)
     return {"last_epoch": step, "_step_count": step + 1}
 
 
