@@ -151,3 +151,15 @@ def test_experts_forward_is_deepspeeds_chunked_call() -> None:
     out = moe.experts(x)
     expected = torch.cat([e(x[:, j : j + 1])[0] for j, e in enumerate(moe.experts.deepspeed_experts)], dim=1)
     assert torch.equal(out, expected)
+
+
+def test_a_dropped_layer_is_freed() -> None:
+    """The expert registry holds layers weakly (it kept every MoE layer ever built alive)."""
+    import gc
+    import weakref
+
+    moe = MoE(HIDDEN, make_expert("sequential"), num_experts=4)
+    layer, param = weakref.ref(moe), weakref.ref(next(moe.experts.parameters()))
+    del moe
+    gc.collect()
+    assert layer() is None and param() is None

@@ -19,6 +19,7 @@ treat them differently asks this module:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,8 +43,14 @@ _EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
 @dataclass(frozen=True)
 class _Entry:
-    layer: nn.Module  # an MoE layer or a ShardedEmbedding
+    # The MoE layer or ShardedEmbedding, held weakly: the layer holds the parameter (the map's
+    # key), so a strong reference here would keep every layer ever built alive.
+    layer_ref: weakref.ref
     local_index: int | None  # the local expert of an MoE expert parameter
+
+    @property
+    def layer(self) -> nn.Module | None:
+        return self.layer_ref()
 
 
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -52,24 +59,30 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LAYERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _entry(param: torch.Tensor) -> _Entry | None:
+    """``param``'s registration, None for a dense parameter or one whose layer is gone."""
+    entry = _OWNER.get(param)
+    return entry if entry is not None and entry.layer is not None else None
+
+
 def register_expert_params(layer: nn.Module, params: list[nn.Parameter], *, local_index: int | None = None) -> None:
     """Record ``params`` as expert parameters of ``layer`` (called by the layer itself), those
     of its local expert ``local_index`` for an MoE layer."""
     for param in params:
-        _OWNER[param] = _Entry(layer, local_index)
+        _OWNER[param] = _Entry(weakref.ref(layer), local_index)
     _LAYERS[layer] = "ShardedEmbedding" if local_index is None else "MoE layer"
 
 
 def owner_layer(param: torch.Tensor) -> MoE | None:
     """The layer (MoE or ShardedEmbedding) whose experts hold ``param``, or None for a dense parameter."""
-    entry = _OWNER.get(param)
+    entry = _entry(param)
     return None if entry is None else entry.layer
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
     """True for a parameter of an MoE layer's routed experts (DeepSpeed's ``is_moe_param``);
     False for a row-sharded embedding table, which shares only the expert-parallel machinery."""
-    entry = _OWNER.get(param)
+    entry = _entry(param)
     return entry is not None and entry.local_index is not None
 
 
@@ -81,7 +94,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 def expert_index(param: torch.Tensor) -> int | None:
     """The global expert index of an MoE expert parameter (None for any other): local expert
     ``j`` of expert rank ``r`` is global expert ``r * num_local_experts + j``."""
-    entry = _OWNER.get(param)
+    entry = _entry(param)
     if entry is None or entry.local_index is None:
         return None
     return entry.layer.expert_rank * entry.layer.num_local_experts + entry.local_index
@@ -97,7 +110,7 @@ def _renamed(name: str, local_index: int, global_index: int) -> str:
 def checkpoint_name(name: str, param: torch.Tensor) -> str:
     """The name ``param`` (named ``name`` in its model) has in checkpoints: an MoE expert
     parameter's local expert index replaced by its global one; any other name unchanged."""
-    entry = _OWNER.get(param)
+    entry = _entry(param)
     if entry is None or entry.local_index is None:
         return name
     return _renamed(name, entry.local_index, expert_index(param))
@@ -106,7 +119,7 @@ def checkpoint_name(name: str, param: torch.Tensor) -> str:
 def global_expert_names(name: str, param: torch.Tensor) -> list[str]:
     """The checkpoint names of this local expert slot on every expert rank, in expert-rank order
     (``[name]`` for a parameter that is not an expert-parallel MoE expert's)."""
-    entry = _OWNER.get(param)
+    entry = _entry(param)
     if entry is None or entry.local_index is None or entry.layer.ep_size == 1:
         return [checkpoint_name(name, param)]
     n = entry.layer.num_local_experts
@@ -176,7 +189,7 @@ def expert_shard_of(param: torch.Tensor):
     record and reshard it exactly like a row-split tensor-parallel weight
     (partita/checkpoint/tensor_layout.py, case 2: every piece is a contiguous run of rows). None
     for a dense parameter and for ``ep_size == 1`` (the local tensor is then the global one)."""
-    entry = _OWNER.get(param)
+    entry = _entry(param)
     if entry is None or entry.local_index is not None or entry.layer.ep_size == 1:
         return None  # MoE experts are whole per-expert parameters, renamed instead (checkpoint_name)
     layer = entry.layer
