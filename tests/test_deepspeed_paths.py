@@ -441,12 +441,18 @@ def test_deepspeed_examples_cifar_script_on_two_gloo_ranks(tmp_path) -> None:
 
 
 def test_cifar_script_losses_match_deepspeeds() -> None:
-    """Where DeepSpeed is installed (never a dependency): the same script, seed and data on both."""
+    """Where DeepSpeed is installed (never a dependency): the same script, seed and data on both,
+    live, at ZeRO 0-3 (tests/test_cifar_deepspeed_parity.py checks the same against DeepSpeed's
+    recorded numbers, in CI)."""
     pytest.importorskip("deepspeed")
-    ours = run_distributed(_cifar_runs, 2, [CIFAR_ARGV], timeout=400)[0][0]["losses"]
-    theirs = run_distributed(_cifar_runs, 2, [CIFAR_ARGV], "deepspeed", timeout=400)[0][0]["losses"]
-    assert len(ours) == len(theirs)
-    # partita's WarmupLR does not repeat DeepSpeed's first step at the minimum lr (README), so the
-    # trajectories are one warm-up step apart: compare them loosely, the first step exactly.
-    assert abs(ours[0] - theirs[0]) < 1e-4
-    assert max(abs(a - b) for a, b in zip(ours, theirs)) < 5e-2
+    from tests.fixtures.make_cifar_deepspeed_losses import CIFAR_PARITY_ARGV, STEPS, stage_losses
+
+    stages = [0, 1, 2, 3]
+    ours = run_distributed(stage_losses, 2, "partita", stages, CIFAR_PARITY_ARGV, timeout=400)[0]
+    theirs = run_distributed(stage_losses, 2, "deepspeed", stages, CIFAR_PARITY_ARGV, timeout=1200)[0]
+    for stage in map(str, stages):
+        assert len(ours[stage]) == len(theirs[stage]) == STEPS
+        # Same lr at every step (DeepSpeed's WarmupLR counter) and the same data order: the two
+        # libraries' Adam kernels differ by fp32 rounding only.
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours[stage], theirs[stage]))
+        assert worst <= 1e-6, (stage, worst)
