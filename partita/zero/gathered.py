@@ -89,11 +89,19 @@ class GatheredParameters:
         self._tensor_params = [p for p in params if tensor_shard_of(p) is not None] if enabled else []
         self._whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (copy, value on entry)
         self._modifier_rank = modifier_rank
+        # Parameters already whole on entry (an enclosing block, or a unit between its training
+        # forward and backward): the block leaves them whole on exit, their users still need them.
+        self._were_whole: set[int] = set()
 
     def __enter__(self) -> GatheredParameters:
         for zero, params in self._by_owner():
             if zero.gatherer is not None:
+                self._were_whole.update(id(p) for p in params if zero.gatherer.is_gathered(p))
                 zero.gatherer.gather(params)
+            elif zero.one_rank_weights is not None:
+                # One process, stages 0-2: a block's weights freed between its forward and backward
+                # come back (bitwise the values kept, see one_rank_weights.py) and stay whole.
+                zero.one_rank_weights.restore()
         with torch.no_grad():
             for param in self._tensor_params:  # the same order on every rank: one gather each
                 whole = gather_whole(param.data.contiguous(), tensor_shard_of(param)).contiguous()
@@ -128,7 +136,8 @@ class GatheredParameters:
         self._whole.clear()
         for zero, params in self._by_owner():
             if zero.gatherer is not None:
-                zero.gatherer.release(params)
+                zero.gatherer.release([p for p in params if id(p) not in self._were_whole])
+        self._were_whole.clear()
 
     def _by_owner(self) -> Iterator[tuple[object, list[nn.Parameter]]]:
         groups: dict[int, tuple[object, list[nn.Parameter]]] = {}

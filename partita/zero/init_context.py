@@ -20,7 +20,8 @@ values with the same random stream, exactly as an unsharded build does (construc
 deterministic, so every rank issues the same gathers in the same order). View ops need no
 data: the storage only gets its size back while the view is made. ``module.apply(fn)`` gathers each module's parameters once around
 ``fn`` (one collective per module rather than per op). After the context, a parameter has no
-storage until ``initialize`` or :class:`partita.zero.GatheredParameters` gathers it.
+storage until ``initialize`` gathers it: its shape and dtype answer, and any read of its values
+raises ``ParameterNotGatheredError`` ([Note: freed parameters] in partita/zero/freed.py).
 
 ``initialize`` then builds the fp32 master shards from these shards; at ZeRO-3 the
 parameters stay sharded, at stages 0-2 they are gathered whole once.
@@ -42,21 +43,15 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.distributed import collectives
+from partita.zero.freed import (INIT, allocate_param, free_param, init_contexts_opened, is_freed, name_params,
+                                storage_sized)
+from partita.zero.freed import sharded_access_active  # noqa: F401 - re-exported (it lived here)
 
 # Parameter -> this rank's shard (1-D, the layout of partita.zero.partition with alignment 1).
 _SHARDS = WeakIdKeyDictionary()
 # The parameter's storage (its StorageImpl address, shared by .data and every view) -> the
 # parameter (weakly), so the dispatch mode recognises any tensor that reads or writes it.
 _BY_STORAGE: dict[int, weakref.ref] = {}
-
-
-# How many zero.Init contexts are open (their dispatch mode on): state_dict_guard.py stands aside.
-_OPEN_CONTEXTS = [0]
-
-
-def sharded_access_active() -> bool:
-    """Inside a zero.Init context, where every op on a sharded parameter sees its whole value."""
-    return _OPEN_CONTEXTS[0] > 0
 
 
 def init_shard_of(param: nn.Parameter) -> torch.Tensor | None:
@@ -105,8 +100,8 @@ def gather_init_param(param: nn.Parameter) -> None:
     world = dist.get_world_size()
     full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
     collectives.all_gather_into_tensor(full, shard, group=None, purpose="zero.Init parameter gather")
-    param.data.untyped_storage().resize_(param.numel() * param.element_size())
-    param.data.view(-1).copy_(full[: param.numel()])
+    data = allocate_param(param)
+    data.view(-1).copy_(full[: data.numel()])
 
 
 @torch.no_grad()
@@ -117,7 +112,7 @@ def reshard_init_param(param: nn.Parameter) -> None:
     piece = param.data.view(-1)[start : start + shard.numel()]
     shard.zero_()
     shard[: piece.numel()].copy_(piece)
-    param.data.untyped_storage().resize_(0)
+    free_param(param, INIT)
 
 
 @torch.no_grad()
@@ -194,14 +189,14 @@ class Init:
         nn.Module.apply = _gathering_apply
         self._access = _ShardedParamAccess()
         self._access.__enter__()
-        _OPEN_CONTEXTS[0] += 1
+        init_contexts_opened(+1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self._enabled:
             return
         self._access.__exit__(None, None, None)
-        _OPEN_CONTEXTS[0] -= 1
+        init_contexts_opened(-1)
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched.clear()
@@ -251,7 +246,8 @@ class Init:
             piece = data.view(-1)[start : start + per_rank]
             shard[: piece.numel()].copy_(piece)
             param.data = data
-            param.data.untyped_storage().resize_(0)
+            free_param(param, INIT)  # see [Note: freed parameters] in partita/zero/freed.py
+            name_params([(f"{type(module).__name__}.{name}", param)])  # initialize names it in the model
             _register(param, shard)
 
 
@@ -290,23 +286,18 @@ class _ShardedParamAccess(TorchDispatchMode):
         freed: list[nn.Parameter] = []
         for tensor in tensors:
             param = _param_of_storage(tensor)
-            if param is not None and param.untyped_storage().nbytes() == 0 and all(p is not param for p in freed):
+            if param is not None and is_freed(param) and all(p is not param for p in freed):
                 freed.append(param)
         if not freed:
             return func(*args, **kwargs)
         if func.is_view:
             # A view reads nothing but is checked against the storage's size: give the storage its
             # size (no gather) while the view is made. Later ops on the view are seen like any other.
-            for param in freed:
-                param.data.untyped_storage().resize_(param.numel() * param.element_size())
-            try:
+            with storage_sized(freed):
                 return func(*args, **kwargs)
-            finally:
-                for param in freed:
-                    param.data.untyped_storage().resize_(0)
         for param in freed:
             if func in _OVERWRITES and _overwrites_whole(args, tensors, param):
-                param.data.untyped_storage().resize_(param.numel() * param.element_size())
+                allocate_param(param)  # no gather: the op writes every element
             else:
                 gather_init_param(param)
         try:

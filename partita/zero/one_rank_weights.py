@@ -69,6 +69,7 @@ from torch import nn
 
 from partita.tensor_containers import tensors_in
 from partita.utils.weak_hooks import register_weak_grad_hook
+from partita.zero.freed import ONE_RANK, allocate_param, free_param, name_params
 from partita.zero.units import GatherBeforeBackward, find_units, in_backward_pass, is_inside, through_function
 from partita.zero.shard_group import ShardedParamGroup
 
@@ -106,6 +107,7 @@ class OneRankWeights:
         self._master_of = {param: (group, spec) for group in groups
                            for param, spec in zip(group.params, group.layout.specs)}
         self._units = _assign_units(module, _owning_their_storage(module, self._master_of))
+        name_params(module.named_parameters(), replace=True)  # error messages name freed parameters
         self._freed: set[nn.Module] = set()
         self._sources: dict[nn.Module, tuple] = {}  # _refill_pairs' cache: masters, their addresses, slices
         # param._version when the master was last written into it (see [Note: when it is off]).
@@ -180,7 +182,7 @@ class OneRankWeights:
 
     def _free(self, unit: nn.Module) -> None:
         for param in self._units[unit]:
-            param.data.untyped_storage().resize_(0)
+            free_param(param, ONE_RANK)  # reads raise until refilled (partita/zero/freed.py)
         self._freed.add(unit)
 
     @torch.no_grad()
@@ -189,17 +191,15 @@ class OneRankWeights:
         # so autograd's saved references stay valid. One foreach copy from cached views of the
         # master: this runs twice per unit and step, and at small batches the step is bound by
         # the host (a slice, a view and a copy per parameter were most of it).
-        targets, sources = self._refill_pairs(unit)
-        for target in targets:
-            target.untyped_storage().resize_(target.numel() * target.element_size())
-        torch._foreach_copy_(targets, sources)
+        targets = [allocate_param(param) for param in self._units[unit]]
+        torch._foreach_copy_(targets, self._refill_sources(unit))
         self._freed.discard(unit)
         if self._awaiting_grads is not None and in_backward_pass() and self._root.training:
             self._awaiting_grads[unit] = set(self._units[unit])
 
-    def _refill_pairs(self, unit: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The unit's parameters' ``.data`` and their slices of the master, shaped alike (the
-        slices cached while the masters are the tensors, at the addresses, they were cut from)."""
+    def _refill_sources(self, unit: nn.Module) -> list[torch.Tensor]:
+        """The unit's parameters' slices of the master, shaped as the parameters (cached while the
+        masters are the tensors, at the addresses, they were cut from)."""
         params = self._units[unit]
         masters = [self._master_of[param][0].master for param in params]
         cached = self._sources.get(unit)
@@ -209,7 +209,7 @@ class OneRankWeights:
                 spec = self._master_of[param][1]
                 sources.append(master[spec.partition_offset : spec.partition_offset + spec.numel].view(spec.shape))
             cached = self._sources[unit] = (masters, [m.data_ptr() for m in masters], sources)
-        return [param.data for param in params], cached[2]
+        return cached[2]
 
     def remove_hooks(self) -> None:
         self.restore()

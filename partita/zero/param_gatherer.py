@@ -16,8 +16,11 @@ directly still finds it gathered.
 Autograd saves parameter tensors for backward by reference. To free a parameter without
 invalidating those references, its storage is resized to 0 bytes and resized back before
 it is needed again; the ``nn.Parameter`` object, its shape and the model's state_dict keys
-never change. Each parameter's state (SHARDED or GATHERED) is kept here, keyed by the
-parameter, and every transition is checked. ``state_dict()`` neither crashes on a freed
+never change. Every free and refill goes through partita/zero/freed.py (``free_param`` /
+``allocate_param``): while freed, reading the parameter's values in any way raises
+``ParameterNotGatheredError`` instead of reading unallocated memory, and its metadata (shape,
+numel, dtype) stays whole. Each parameter's state (SHARDED or GATHERED) is kept here, keyed by
+the parameter, and every transition is checked. ``state_dict()`` neither crashes on a freed
 parameter nor loses an entry taken while it was whole: see partita/zero/state_dict_guard.py.
 
 [Note: reuse]
@@ -74,6 +77,7 @@ from partita.distributed import collectives
 from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
 from partita.utils.weak_hooks import register_weak_grad_hook
+from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
@@ -142,6 +146,11 @@ class ParameterGatherer:
         # Small parameters stay whole on every rank (DeepSpeed's persistence threshold):
         # gathering them costs more in latency than it saves in memory.
         self.persistent = {p for p in self._where if p.numel() <= persistence_threshold}
+        # Element counts, read here once: a freed parameter's metadata costs a __torch_function__
+        # round trip (partita/zero/freed.py), and the live-element accounting reads it per transition.
+        managed = list(itertools.chain(self._where, frozen.params if frozen is not None else ()))
+        self._numel: dict[nn.Parameter, int] = {p: p.numel() for p in managed}
+        name_params(model.named_parameters(), replace=True)  # error messages name freed parameters
         self._state: dict[nn.Parameter, ParamState] = {}
         self._handed_out: set[nn.Parameter] = set()  # see hand_out_storage
         self._unit_params = self._assign_units(model)
@@ -157,16 +166,16 @@ class ParameterGatherer:
             units=[UnitPieces(name, tuple(self._piece(p) for p in params if p in self._where))
                    for name, params in zip(names, self._unit_params.values())],
         )
-        for param in itertools.chain(self._where, frozen.params if frozen is not None else ()):
+        for param in managed:
             if param in self.persistent:
-                if param.untyped_storage().nbytes() == 0:  # built under zero.Init: make it whole
+                if is_freed(param):  # built under zero.Init: make it whole
                     from partita.zero.init_context import gather_init_param
 
                     gather_init_param(param)
                 continue
-            if param.untyped_storage().nbytes() != 0:  # zero.Init already freed it
+            if not is_freed(param):  # else zero.Init freed it already
                 self._own_storage(param)
-                self._free(param)
+            self._free(param)
             self._state[param] = ParamState.SHARDED
         self._root = model
         self._unit_index = {unit: i for i, unit in enumerate(self._unit_params)}
@@ -235,16 +244,12 @@ class ParameterGatherer:
         self._handed_out.add(param)
 
     def _free(self, param: nn.Parameter) -> None:
-        if param in self._handed_out:
-            # Resizing would empty the state dict's entry too: give the parameter a new empty
-            # storage instead (the same TensorImpl, so autograd's saved references follow it) and
-            # leave the old one, values intact, to the dict.
-            self._handed_out.discard(param)
-            fresh = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
-            fresh.untyped_storage().resize_(0)
-            param.data = fresh
-            return
-        param.data.untyped_storage().resize_(0)
+        # A state dict entry shares the storage: resizing would empty it too. The parameter moves
+        # to a new empty storage instead (the same TensorImpl, so autograd's saved references
+        # follow it) and the old one, values intact, stays with the dict.
+        handed_out = param in self._handed_out
+        self._handed_out.discard(param)
+        free_param(param, ZERO3, fresh_storage=handed_out)
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
@@ -402,7 +407,7 @@ class ParameterGatherer:
             if ahead >= self._prefetch_numel:
                 break
             todo = [p for p in self._unit_params[unit] if self._state[p] is ParamState.SHARDED]
-            need = sum(p.numel() for p in todo)
+            need = sum(self._numel[p] for p in todo)
             if live + need > self._max_live_numel:
                 break
             if todo:
@@ -440,7 +445,7 @@ class ParameterGatherer:
         for param in params:
             where = self._where.get(param)
             comm = self.frozen.comm if where is None else self._groups[where[0]].comm
-            dtype = param.dtype if where is None else self._groups[where[0]].model_dtype
+            dtype = self.frozen.shard(param).dtype if where is None else self._groups[where[0]].model_dtype
             by_comm.setdefault((id(comm), dtype), (comm, []))[1].append(param)
         return [self._start_gather(part, comm) for comm, part in by_comm.values()]
 
@@ -481,7 +486,7 @@ class ParameterGatherer:
         self.storage.arrived(flight.ready, flight.gathered)
         for param, col in zip(flight.params, flight.columns):
             del self._in_flight_of[param]
-            param.data.untyped_storage().resize_(param.numel() * param.element_size())
+            allocate_param(param)
             unpack_from_columns(flight.gathered, col, self._spec(param), param)
             self._transition(param, ParamState.GATHERING, ParamState.GATHERED)
 
@@ -497,10 +502,10 @@ class ParameterGatherer:
             )
         self._state[param] = new
         if expected is ParamState.SHARDED:
-            self._live_numel += param.numel()
+            self._live_numel += self._numel[param]
             self.peak_live_numel = max(self.peak_live_numel, self._live_numel)
         elif new is ParamState.SHARDED:
-            self._live_numel -= param.numel()
+            self._live_numel -= self._numel[param]
 
     def release(self, params: Iterable[nn.Parameter]) -> None:
         for param in params:
@@ -518,7 +523,7 @@ class ParameterGatherer:
             self.trace.finish_recording(self._ranks_agree, self._unit_index, self._unit_numel, self._root)
 
     def _unit_numel(self, unit: nn.Module) -> int:
-        return sum(p.numel() for p in self._unit_params[unit])
+        return sum(self._numel[p] for p in self._unit_params[unit])
 
     def _ranks_agree(self, encoded: list[int]) -> bool:
         return ranks_agree(encoded, world_size=self._world_size, process_group=self._process_group, device=self._device)
@@ -542,6 +547,10 @@ class ParameterGatherer:
 
     def state_of(self, param: nn.Parameter) -> ParamState | None:
         return self._state.get(param)
+
+    def is_gathered(self, param: nn.Parameter) -> bool:
+        """True for a sharded parameter that is whole right now (GATHERED)."""
+        return self._state.get(param) is ParamState.GATHERED
 
     def is_sharded_param(self, param: nn.Parameter) -> bool:
         """True for parameters that live as shards (not persistent)."""

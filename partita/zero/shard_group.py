@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.zero.freed import INIT, free_param
 from partita.zero.partition import ShardLayout, ShardSpec
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class ShardedParamGroup:
                 else:
                     gather_init_param(param)
                     piece.copy_(param.detach().reshape(-1)[start:end])
-                    param.data.untyped_storage().resize_(0)
+                    free_param(param, INIT)
 
     # [Note: offloaded gradient partitions]
     # An offloaded group's fp32 gradient partition is a reused (pinned) host buffer, not a
