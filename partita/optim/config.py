@@ -126,7 +126,13 @@ class _OptimizerParams(StrictSection):
 
 
 class AdamParams(_OptimizerParams):
-    """DeepSpeed ``"Adam"``: decoupled weight decay (AdamW) unless ``adam_w_mode`` is false."""
+    """DeepSpeed ``"Adam"``: decoupled weight decay (AdamW) unless ``adam_w_mode`` is false.
+
+    DeepSpeed 0.19.8 builds its FusedAdam for this type (on CPU, the same C++ kernel as its CPU
+    Adam): bias-corrected, ``p -= lr * wd * p`` then ``p -= lr / (1 - b1^t) * m / (sqrt(v) /
+    sqrt(1 - b2^t) + eps)``. torch's AdamW is that update; the two kernels round differently
+    (about 1e-7 relative per step), nothing else.
+    """
 
     lr: NonNegFloat = 1e-3
     betas: Betas = (0.9, 0.999)
@@ -297,6 +303,8 @@ class WarmupLRParams(_SchedulerParams):
 
     ``warmup_max_lr`` None (DeepSpeed 0.19's default) means each param group's own lr.
     ``warmup_num_steps`` must be >= 1 (DeepSpeed refuses 0 too); it is clamped to >= 2.
+    Stepped on DeepSpeed's counter (partita/optim/schedulers.py): the first two optimizer
+    steps both run at ``warmup_min_lr``, as on DeepSpeed.
     """
 
     warmup_min_lr: NonNegFloat = 0.0
