@@ -495,3 +495,75 @@ def test_save_pretrained_of_a_bf16_engine_writes_its_weights_or_its_fp32_masters
     fp32 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32)
     _equal(dict(fp32.state_dict()), r["masters"])
     assert any(not torch.equal(r["masters"][n].bfloat16().float(), r["masters"][n]) for n in r["masters"])  # not bf16 values
+
+
+# ---------------------------------------------------------------------------- with PartitaTrainer
+class _RecordingCollator:
+    """Stacks samples and remembers each micro-batch: the Trainer's data order, for the oracle."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+        self.batches.append(batch["input_ids"].clone())
+        return batch
+
+
+def _trainer_config(world: int) -> dict:
+    optimizer = {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": EPS, "weight_decay": 0.0}}
+    return {**_config(world), "train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "optimizer": optimizer}
+
+
+def _trainer_client(saved: str, out_dir: str) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    import partita
+    from partita.integrations.hf import PartitaTrainer, enable_zero3
+
+    partita.init_distributed()
+    cfg = _trainer_config(dist.get_world_size())
+    gen = torch.Generator().manual_seed(3)
+    data = [{"input_ids": row, "labels": row.clone()} for row in torch.randint(0, RESIZED, (4, SEQ), generator=gen)]
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, num_train_epochs=1, learning_rate=LR,
+                             weight_decay=0.0, max_grad_norm=1.0, adam_epsilon=EPS, logging_steps=1, save_strategy="no",
+                             report_to=[], seed=0, use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant")
+    collator = _RecordingCollator()
+    with enable_zero3(cfg):
+        model = AutoModelForCausalLM.from_pretrained(saved)
+        torch.manual_seed(11)
+        model.resize_token_embeddings(RESIZED)
+        trainer = PartitaTrainer(model=model, args=args, train_dataset=data, data_collator=collator,
+                                 partita_config=cfg)
+        trainer.train()
+        trainer.save_model(os.path.join(out_dir, "final"))
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return {"losses": losses, "batches": collator.batches}
+
+
+def test_partita_trainer_trains_a_model_loaded_and_resized_under_the_hook(saved, tmp_path) -> None:
+    """from_pretrained into shards, resize, then PartitaTrainer at ZeRO-3 on 2 ranks: the Trainer's
+    losses and the weights save_model writes are a plain torch loop's on the same global batches."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    r0, r1 = run_distributed(_trainer_client, 2, saved["gpt2"], str(tmp_path), timeout=500)
+    assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 2
+    model = AutoModelForCausalLM.from_pretrained(saved["gpt2"])
+    torch.manual_seed(11)
+    model.resize_token_embeddings(RESIZED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    losses = []
+    for a, b in zip(r0["batches"], r1["batches"]):  # each step: rank 0's micro-batch, then rank 1's
+        ids = torch.cat([a, b])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    for got, want in zip(r0["losses"], losses):
+        assert abs(got - want) <= 1e-4 * abs(want), (r0["losses"], losses)  # the Trainer logs 4 significant digits
+    saved_model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    _close(dict(saved_model.state_dict()), {k: v.detach() for k, v in model.state_dict().items()}, 1e-5)
