@@ -87,6 +87,13 @@ def import_deepspeed(
             "every rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt into the tag directory"
         )
     optim = [safe_load(p)["optimizer_state_dict"] for p in files.optim_states] if stage > 0 else []
+    if stage in (1, 2) and not isinstance(optim[0].get("base_optimizer_state"), dict):
+        raise NotImplementedError(
+            f"{tag_dir} was saved with zero_optimization.elastic_checkpoint, which keeps no param-group "
+            "hyperparameters (lr, betas, weight decay of each group), so the optimizer state cannot be resumed "
+            "exactly (DeepSpeed 0.19.8 itself cannot load it for torch optimizers); save with elastic_checkpoint "
+            "false, or take the weights alone (DeepSpeed's zero_to_fp32.py, then load_module_only)"
+        )
     if stage in (1, 2):
         groups = groups_from_stage12(model_states, optim)
     elif stage == 3:

@@ -11,7 +11,8 @@ What DeepSpeed 0.19.8 stores (learned from its checkpoints and runtime/zero/*.py
   file holds its partition of the fp32 masters (``single_partition_of_fp32_groups[g]``, with
   its padding already removed: ``group_paddings[g]`` elements) and, in
   ``base_optimizer_state``, the inner torch optimizer's state of that partition (padding
-  kept; or, with ``elastic_checkpoint``, a list of per-group states without it).
+  kept). (With ``elastic_checkpoint`` it is a list of per-group states and the param groups'
+  hyperparameters are not saved; such checkpoints are refused.)
   Concatenating the ranks' unpadded partitions gives the group's flat vector.
 - **ZeRO 3**: every parameter is partitioned on its own: each rank holds
   ``ceil(numel / world)`` elements of it (the last ranks padded), and a rank's flat group
@@ -121,8 +122,7 @@ def groups_from_stage12(model_states: dict[str, Any], optim: list[dict[str, Any]
     """ZeRO 1-2: rebuild each group from every rank's ``optimizer_state_dict`` (consumed: its
     tensors are released as they are copied)."""
     shapes_per_group = model_states["param_shapes"]
-    base0 = optim[0]["base_optimizer_state"]
-    param_groups = base0["param_groups"] if isinstance(base0, dict) else None
+    param_groups = optim[0]["base_optimizer_state"]["param_groups"]
     groups = []
     for g, shapes in enumerate(shapes_per_group):
         names = list(shapes.keys())
@@ -133,19 +133,13 @@ def groups_from_stage12(model_states: dict[str, Any], optim: list[dict[str, Any]
         group = ImportedGroup(names=names, shapes=shape_list, masters={
             n: t.view(s) for (n, t), s in zip(_cut(flat, names, shape_list, gaps).items(), shape_list)})
         del flat
-        # Non-elastic: the torch optimizer's state_dict, group g's one flat tensor is state[g]
-        # (padding kept); elastic: a list with group g's state, padding removed.
-        states = [rank["base_optimizer_state"]["state"].get(g, {}) if isinstance(base0, dict)
-                  else rank["base_optimizer_state"][g] for rank in optim]
+        # The torch optimizer's state_dict: group g's one flat tensor is state[g] (padding kept).
+        states = [rank["base_optimizer_state"]["state"].get(g, {}) for rank in optim]
         for state, n in zip(states, lean):
             _split_state(state, n)  # refuses state that is not per element
         element, scalars = _split_state(states[0], lean[0])
-        if param_groups is not None:
-            hyper_source = param_groups[g]
-        else:  # elastic: no param groups saved; the step is saved once
-            hyper_source = {"step": optim[0].get("base_optimizer_state_step")} if "base_optimizer_state_step" in optim[0] else {}
-        group.scalars = _scalars(scalars, hyper_source)
-        group.hyperparameters = _hyper(hyper_source)
+        group.scalars = _scalars(scalars, param_groups[g])
+        group.hyperparameters = _hyper(param_groups[g])
         for key in element:
             whole = _take([(state, key) for state in states], lean)
             group.state[key] = {n: t.reshape(-1) for n, t in _cut(whole, names, shape_list, gaps).items()}
