@@ -14,6 +14,12 @@ holds every expert and needs no group, so it also runs in plain single-process t
 Under expert parallelism, local expert ``j`` of expert rank ``r`` is global expert
 ``r * num_local + j``; experts start identical on every rank (``expert`` is copied, as in
 DeepSpeed), and ``initialize`` broadcasts them within each expert-data group only.
+
+Layout: DeepSpeed's module tree and state_dict keys (``deepspeed_moe.gate.wg``,
+``deepspeed_moe.experts.deepspeed_experts.<j>``, then ``mlp`` and ``coefficient`` with
+``use_residual``; partita/moe/sharded_moe.py, experts.py), checked against DeepSpeed 0.19.8 in
+tests/test_moe_layout.py. Checkpoints rename local expert ``j`` to its global index
+(partita/moe/registry.py), so they load at any ``ep_size``.
 """
 
 from __future__ import annotations
