@@ -283,6 +283,21 @@ def test_mismatched_names_are_refused_and_rename_fixes_them(imported, tmp_path):
     assert result["lr"] == pytest.approx(RUNS["zero2"]["saved"]["lr_next"], rel=1e-12)
 
 
+def test_model_file_and_optimizer_files_that_disagree_are_refused(tmp_path):
+    """A model file whose parameter names are not the optimizer's (param_shapes): refused, naming them."""
+    ds = _copy_fixture("zero1", tmp_path)
+    path = ds / TAG / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["module"] = {("fc1.w" if k == "fc1.weight" else k): v for k, v in state["module"].items()}
+    torch.save(state, path)
+    with pytest.raises(DeepSpeedImportError) as error:
+        import_deepspeed(ds, tmp_path / "out")
+    assert str(error.value) == (
+        "the optimizer holds parameters ['fc1.weight'] that the module's state_dict lacks; the model file and the "
+        "optimizer files come from different models"
+    )
+
+
 def test_rename_that_merges_names_is_refused(tmp_path):
     with pytest.raises(DeepSpeedImportError) as error:
         import_deepspeed(FIXTURES / "zero1", tmp_path / "out", rename={"fc1.": "x.", "fc2.": "x."})

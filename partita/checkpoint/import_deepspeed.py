@@ -29,7 +29,8 @@ import torch
 import partita
 from partita.checkpoint import format as fmt
 from partita.checkpoint.errors import CheckpointError
-from partita.checkpoint.import_deepspeed_read import DeepSpeedImportError, find_files, resolve_tag_dir, safe_load
+from partita.checkpoint.import_deepspeed_read import (DeepSpeedFiles, DeepSpeedImportError, find_files, resolve_tag_dir,
+                                                      safe_load)
 from partita.checkpoint.import_deepspeed_state import (ImportedGroup, groups_from_stage0, groups_from_stage3,
                                                        groups_from_stage12, stage0_names)
 from partita.checkpoint.jsoncodec import encode
@@ -77,23 +78,9 @@ def import_deepspeed(
     files = find_files(tag_dir)
     model_states = safe_load(files.model_states[0])
     config = model_states.get("ds_config") or {}
-    stage = _zero_stage(model_states, config, files)
-    _check_precision(model_states, config, stage, files)
-    world = int(model_states.get("dp_world_size") or len(files.optim_states) or 1)
-    if stage > 0 and len(files.optim_states) != world:
-        have = sorted(int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)) for p in files.optim_states)
-        raise DeepSpeedImportError(
-            f"{tag_dir} was saved by {world} data-parallel ranks but holds the optimizer files of ranks {have}; copy "
-            "every rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt into the tag directory"
-        )
-    optim = [safe_load(p)["optimizer_state_dict"] for p in files.optim_states] if stage > 0 else []
-    if stage in (1, 2) and not isinstance(optim[0].get("base_optimizer_state"), dict):
-        raise NotImplementedError(
-            f"{tag_dir} was saved with zero_optimization.elastic_checkpoint, which keeps no param-group "
-            "hyperparameters (lr, betas, weight decay of each group), so the optimizer state cannot be resumed "
-            "exactly (DeepSpeed 0.19.8 itself cannot load it for torch optimizers); save with elastic_checkpoint "
-            "false, or take the weights alone (DeepSpeed's zero_to_fp32.py, then load_module_only)"
-        )
+    stage = _zero_stage(config, files)
+    _check_layout(model_states, stage, files)
+    world, optim = _read_optimizer_files(model_states, stage, files)
     if stage in (1, 2):
         groups = groups_from_stage12(model_states, optim)
     elif stage == 3:
@@ -119,7 +106,7 @@ def import_deepspeed(
 # ---------------------------------------------------------------------------- checks
 
 
-def _zero_stage(model_states: dict[str, Any], config: dict[str, Any], files) -> int:
+def _zero_stage(config: dict[str, Any], files: DeepSpeedFiles) -> int:
     """The stage DeepSpeed's config names (the layout of 1 and 2 is the same; 3 has per-rank model files)."""
     section = config.get("zero_optimization")
     if isinstance(section, dict) and "stage" in section:
@@ -134,7 +121,8 @@ def _zero_stage(model_states: dict[str, Any], config: dict[str, Any], files) -> 
     return stage
 
 
-def _check_precision(model_states: dict[str, Any], config: dict[str, Any], stage: int, files) -> None:
+def _check_layout(model_states: dict[str, Any], stage: int, files: DeepSpeedFiles) -> None:
+    """Refuse the layouts the importer does not read (named, with the way out)."""
     if stage == 0 and files.optim_states:
         raise NotImplementedError(
             f"{files.tag_dir} holds per-rank optimizer files at ZeRO 0 ({files.optim_states[0].name}, ...): DeepSpeed's "
@@ -146,6 +134,28 @@ def _check_precision(model_states: dict[str, Any], config: dict[str, Any], stage
             f"{files.tag_dir} was saved with model-parallel size {model_states['mp_world_size']}; the importer reads "
             "checkpoints with one model-parallel rank only"
         )
+
+
+def _read_optimizer_files(model_states: dict[str, Any], stage: int, files: DeepSpeedFiles) -> tuple[int, list[dict[str, Any]]]:
+    """(data-parallel size, every rank's ``optimizer_state_dict``) of a ZeRO 1-3 checkpoint."""
+    world = int(model_states.get("dp_world_size") or len(files.optim_states) or 1)
+    if stage == 0:
+        return world, []
+    if len(files.optim_states) != world:
+        have = sorted(int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)) for p in files.optim_states)
+        raise DeepSpeedImportError(
+            f"{files.tag_dir} was saved by {world} data-parallel ranks but holds the optimizer files of ranks {have}; "
+            "copy every rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt into the tag directory"
+        )
+    optim = [safe_load(p)["optimizer_state_dict"] for p in files.optim_states]
+    if stage in (1, 2) and not isinstance(optim[0].get("base_optimizer_state"), dict):
+        raise NotImplementedError(
+            f"{files.tag_dir} was saved with zero_optimization.elastic_checkpoint, which keeps no param-group "
+            "hyperparameters (lr, betas, weight decay of each group), so the optimizer state cannot be resumed "
+            "exactly (DeepSpeed 0.19.8 itself cannot load it for torch optimizers); save with elastic_checkpoint "
+            "false, or take the weights alone (DeepSpeed's zero_to_fp32.py, then load_module_only)"
+        )
+    return world, optim
 
 
 # ---------------------------------------------------------------------------- reconstruction
