@@ -559,3 +559,20 @@ def test_bf16_resume_follows_deepspeeds_bf16_resume(imported):
         got, expected = steps[1][name].float().reshape(-1), torch.tensor(values)
         assert int((got != expected).sum()) <= 2, name
         assert _rel(got, expected) < 1e-3, name
+
+
+def test_zero0_fused_fp16_optimizer_layout(imported, tmp_path):
+    """DeepSpeed's FP16_Optimizer (ZeRO 0, fused optimizers) keeps one flat fp32 tensor per group
+    (``fp32_groups_flat``) where FP16_UnfusedOptimizer keeps ``fp32_groups``: the zero0_bf16 file
+    rewritten in that layout imports to the same masters."""
+    ds = _copy_fixture("zero0_bf16", tmp_path)
+    path = ds / TAG / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    groups = state["optimizer"].pop("fp32_groups")
+    state["optimizer"]["fp32_groups_flat"] = [torch.cat([t.reshape(-1) for t in group]) for group in groups]
+    torch.save(state, path)
+    flat = load_file(str(import_deepspeed(ds, tmp_path / "out") / "rank00000.safetensors"))
+    whole = load_file(str(imported["zero0_bf16"] / "rank00000.safetensors"))
+    assert sorted(flat) == sorted(whole)
+    for key, value in flat.items():
+        assert torch.equal(value, whole[key]), key
