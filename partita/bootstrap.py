@@ -345,6 +345,8 @@ def _build_dataloader(training_data, collate_fn, micro_batch: int, topology: Top
         # (its DeepSpeedExamples never do, so every epoch repeats the first one's order).
         advance_epochs=False,
     )
-    return torch.utils.data.DataLoader(
+    loader = torch.utils.data.DataLoader(
         training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=True
     )
+    loader.data_sampler = sampler  # DeepSpeedDataLoader's name: clients call trainloader.data_sampler.set_epoch(e)
+    return loader

@@ -71,6 +71,25 @@ def test_initialize_loader_repeats_the_epoch_order_until_set_epoch() -> None:
     assert list(advancing) == first[0] and list(advancing) != first[0]  # the default still reshuffles
 
 
+def _loader_epochs() -> dict:
+    import partita
+
+    data = torch.utils.data.TensorDataset(torch.arange(12.0).unsqueeze(1), torch.zeros(12))
+    config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    _, _, loader, _ = partita.initialize(model=torch.nn.Linear(1, 1), config=config, training_data=data)
+    order = lambda: [int(x) for batch, _ in loader for x in batch.flatten()]  # noqa: E731
+    first, second = order(), order()
+    loader.data_sampler.set_epoch(1)  # DeepSpeed client code's spelling
+    return {"alias": loader.data_sampler is loader.sampler, "first": first, "second": second, "third": order()}
+
+
+def test_initialize_loader_keeps_deepspeeds_order_and_data_sampler_name() -> None:
+    r = run_distributed(_loader_epochs, 1)[0]
+    assert r["alias"]
+    assert r["first"] == r["second"] == torch.randperm(12, generator=torch.Generator().manual_seed(0)).tolist()
+    assert r["third"] == torch.randperm(12, generator=torch.Generator().manual_seed(1)).tolist()
+
+
 def test_cifar_script_losses_equal_deepspeeds_at_every_stage(reference) -> None:
     ranks = run_distributed(stage_losses, WORLD_SIZE, "partita", [0, 1, 2, 3], CIFAR_PARITY_ARGV, timeout=400)
     assert ranks[0] == ranks[1]  # every rank logs the global mean
