@@ -251,7 +251,7 @@ def test_resume_on_one_rank_equals_deepspeeds_resume(imported):
 def _wrapped_resume(plain: str, renamed: str) -> dict:
     """World 1: a model whose keys carry a prefix refuses the plain import and takes the renamed one."""
     import partita
-    from partita.checkpoint.errors import CheckpointMismatchError
+    from partita.checkpoint.errors import CheckpointError, CheckpointMismatchError
 
     model = torch.nn.Sequential(TinyNet())
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
@@ -263,8 +263,13 @@ def _wrapped_resume(plain: str, renamed: str) -> dict:
         refused = None
     except CheckpointMismatchError as error:
         refused = str(error)
+    try:  # DeepSpeed's own directory, not converted
+        engine.load_checkpoint(str(FIXTURES / "zero2"))
+        unconverted = None
+    except CheckpointError as error:
+        unconverted = str(error)
     engine.load_checkpoint(renamed)
-    return {"refused": refused, "steps": engine.global_steps,
+    return {"refused": refused, "unconverted": unconverted, "steps": engine.global_steps,
             "weight": model[0].fc2.weight.detach().reshape(-1).clone(), "lr": engine.get_lr()[0]}
 
 
@@ -277,6 +282,12 @@ def test_mismatched_names_are_refused_and_rename_fixes_them(imported, tmp_path):
         "the checkpoint's model does not match this model: missing in the checkpoint: 0.scale, 0.fc1.weight, "
         "0.fc1.bias, 0.fc2.weight, 0.fc2.bias; not in this model: scale, fc1.weight, fc1.bias, fc2.weight, fc2.bias; "
         "pass load_module_strict=False to load the keys both have"
+    )
+    assert result["unconverted"] == (
+        f"load_checkpoint did not start: rank 0: rank 0 could not list the checkpoints in {FIXTURES / 'zero2'}: "
+        f"CheckpointError: {FIXTURES / 'zero2' / TAG} is a DeepSpeed checkpoint, not a partita one; convert it once "
+        f"with `partita checkpoint import-deepspeed {FIXTURES / 'zero2'} OUT` and load OUT (it resumes at any world "
+        "size and ZeRO stage)"
     )
     assert result["steps"] == 3
     assert torch.equal(result["weight"], torch.tensor(RUNS["zero2"]["saved"]["params"]["fc2.weight"]))

@@ -192,3 +192,27 @@ def find_files(tag_dir: Path) -> DeepSpeedFiles:
     model_list = [models[k] for k in sorted(models)]
     optim_list = [optims[k] for k in sorted(optims)]
     return DeepSpeedFiles(tag_dir=tag_dir, model_states=model_list, optim_states=optim_list)
+
+
+def deepspeed_hint(load_dir: Path, tag: str | None) -> str | None:
+    """Why ``load_checkpoint(load_dir, tag=tag)`` should convert first, when it points at a
+    DeepSpeed checkpoint (tag directories of DeepSpeed's files and no partita manifest); else None."""
+    if tag is not None:
+        tag_dir = load_dir / tag
+    elif (load_dir / "latest").is_file():
+        try:
+            tag_dir = load_dir / (load_dir / "latest").read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    else:
+        tag_dir = load_dir
+    try:
+        is_deepspeed = _looks_like_tag(tag_dir) and not (tag_dir / "manifest.json").exists()
+    except OSError:
+        return None
+    if not is_deepspeed:
+        return None
+    return (
+        f"{tag_dir} is a DeepSpeed checkpoint, not a partita one; convert it once with "
+        f"`partita checkpoint import-deepspeed {load_dir} OUT` and load OUT (it resumes at any world size and ZeRO stage)"
+    )

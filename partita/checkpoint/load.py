@@ -28,6 +28,7 @@ import torch.distributed as dist
 from partita.checkpoint import format as fmt
 from partita.checkpoint import frozen
 from partita.checkpoint.frozen import load_frozen
+from partita.checkpoint.import_deepspeed_read import deepspeed_hint
 from partita.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from partita.checkpoint.jsoncodec import decode
 from partita.checkpoint.manifest import check_files, read_latest_checked, read_manifest, scan_tags
@@ -141,6 +142,9 @@ def load_checkpoint(
 
 
 def _candidates(load_dir: Path, tag: str | None) -> list[str]:
+    hint = deepspeed_hint(load_dir, tag)
+    if hint is not None:
+        raise CheckpointError(hint)
     if tag is not None:
         return [tag]
     latest = _read_latest_or_warn(load_dir)
