@@ -102,29 +102,28 @@ def free_param(param: nn.Parameter, why: str, *, fresh_storage: bool = False) ->
     changes. ``fresh_storage``: move it to a new empty storage and leave the old one, values
     intact, to whoever shares it (a state_dict entry taken while it was whole)."""
     cls = type(param)
-    base = cls._partita_base if issubclass(cls, _Freed) else cls
-    if not issubclass(cls, _Freed):
-        if fresh_storage:
-            fresh = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
-            fresh.untyped_storage().resize_(0)
-            param.data = fresh  # the same TensorImpl: autograd's saved references to it follow
-        else:
-            param.data.untyped_storage().resize_(0)
+    if issubclass(cls, _Freed):
+        param.__class__ = _freed_class(cls._partita_base, why)
+        return
+    if fresh_storage:
+        fresh = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+        fresh.untyped_storage().resize_(0)
+        param.data = fresh  # the same TensorImpl: autograd's saved references to it follow
+    else:
+        param.untyped_storage().resize_(0)  # the parameter's own storage: no .data alias to build
     try:
-        param.__class__ = _freed_class(base, why)
+        param.__class__ = _freed_class(cls, why)
     except TypeError:  # a parameter class whose layout forbids it (__slots__): freed, unguarded
         pass
 
 
-def allocate_param(param: nn.Parameter) -> torch.Tensor:
-    """Give a freed ``param`` its class and its storage's bytes back (uninitialised: the caller
-    fills them right away) and return ``param.data``, the whole tensor on that same storage."""
+def allocate_param(param: nn.Parameter) -> None:
+    """Give a freed ``param`` its class and its storage's bytes back, uninitialised: the caller
+    fills ``param.data`` (the whole tensor on that same storage) right away."""
     cls = type(param)
     if issubclass(cls, _Freed):
         param.__class__ = cls._partita_base
-    data = param.data
-    data.untyped_storage().resize_(data.numel() * data.element_size())
-    return data
+    param.untyped_storage().resize_(param.numel() * param.element_size())
 
 
 def is_freed(param: torch.Tensor) -> bool:

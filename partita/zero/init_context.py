@@ -100,8 +100,8 @@ def gather_init_param(param: nn.Parameter) -> None:
     world = dist.get_world_size()
     full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
     collectives.all_gather_into_tensor(full, shard, group=None, purpose="zero.Init parameter gather")
-    data = allocate_param(param)
-    data.view(-1).copy_(full[: data.numel()])
+    allocate_param(param)
+    param.data.view(-1).copy_(full[: param.numel()])
 
 
 @torch.no_grad()

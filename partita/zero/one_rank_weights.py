@@ -191,8 +191,10 @@ class OneRankWeights:
         # so autograd's saved references stay valid. One foreach copy from cached views of the
         # master: this runs twice per unit and step, and at small batches the step is bound by
         # the host (a slice, a view and a copy per parameter were most of it).
-        targets = [allocate_param(param) for param in self._units[unit]]
-        torch._foreach_copy_(targets, self._refill_sources(unit))
+        params = self._units[unit]
+        for param in params:
+            allocate_param(param)
+        torch._foreach_copy_([param.data for param in params], self._refill_sources(unit))
         self._freed.discard(unit)
         if self._awaiting_grads is not None and in_backward_pass() and self._root.training:
             self._awaiting_grads[unit] = set(self._units[unit])
