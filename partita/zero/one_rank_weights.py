@@ -37,7 +37,7 @@ paragraph). It costs one more cast of the blocks' weights per backward; "early" 
 peak is inside the backward, keeps refilled units whole instead, and so does "stream"
 (streamed_step.py): its step needs the gradients and the whole model at once either way (the
 weights must be whole when ``engine.backward`` returns: ZeRO-1/2 promise whole weights between
-backward and step, and reading a freed parameter would crash the process), so freeing again
+backward and step, and reading a freed parameter raises ParameterNotGatheredError), so freeing again
 would cost a cast per block and step for 0.15 GiB of GPT-1.3B micro-batch 1's peak (estimated).
 
 [Note: when it is off]
