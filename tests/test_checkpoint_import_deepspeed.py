@@ -478,6 +478,17 @@ def test_command_line(tmp_path, capsys):
         "with --tag\n")
     assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero1"), str(out), "--rename", "nothing"]) == 2
     assert "--rename 'nothing': expected OLD=NEW" in capsys.readouterr().err
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps([["fc1.weight", "fc2.weight"], ["fc1.bias", "fc2.bias"]]))
+    assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero0"), str(tmp_path / "z0"), "--param-names", str(names),
+                            "--optimizer-class", "torch.optim.adam.Adam", "--rename", "fc=layer", "--out-tag", "x"]) == 0
+    meta = json.loads((tmp_path / "z0" / "x" / "meta.json").read_text())
+    assert meta["optimizer"]["class"] == "torch.optim.adam.Adam"
+    assert [g["params"] for g in meta["optimizer"]["groups"]] == [["layer1.weight", "layer2.weight"],
+                                                                  ["layer1.bias", "layer2.bias"]]
+    names.write_text("[[oops")
+    assert checkpoint_main(["import-deepspeed", str(FIXTURES / "zero0"), str(tmp_path / "z0"), "--param-names", str(names)]) == 2
+    assert f"--param-names {names}: not JSON" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- fp16 and layouts not read
