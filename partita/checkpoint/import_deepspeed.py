@@ -77,7 +77,9 @@ def import_deepspeed(
     tag_dir = resolve_tag_dir(Path(ds_dir), tag)
     files = find_files(tag_dir)
     model_states = safe_load(files.model_states[0])
-    config = model_states.get("ds_config") or {}
+    config = model_states.get("ds_config")
+    # DeepSpeed saves the config as given to initialize: a dict, or a file path (then the files tell the stage).
+    config = config if isinstance(config, dict) else {}
     stage = _zero_stage(config, files)
     _check_layout(model_states, stage, files)
     world, optim = _read_optimizer_files(model_states, stage, files)
