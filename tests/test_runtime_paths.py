@@ -108,7 +108,7 @@ AUDIT: list[tuple[str, str, tuple[str, str]]] = [
     ("runtime.zero.offload_config", "OffloadStateTypeEnum", ("refused", "offload_states() / reload_states()")),
     ("runtime.zero.config", "ZeroStageEnum", ("refused", "zero_optimization.stage is an int 0-3")),
     ("runtime.config", "DeepSpeedConfig", ("refused", "partita.config.load_config(path_or_dict)")),
-    ("runtime.dataloader", "RepeatingLoader", ("is", "partita.pipe.engine:_repeat")),
+    ("runtime.dataloader", "RepeatingLoader", ("is", "partita.data.repeating:RepeatingLoader")),
     ("runtime.dataloader", "DeepSpeedDataLoader", ("refused", "pass training_data=dataset")),
     ("runtime.bf16_optimizer", "BF16_Optimizer", ("refused", "keeps fp32 masters and steps them")),
     ("runtime.data_pipeline.curriculum_scheduler", "CurriculumScheduler", ("refused", "data-efficiency library")),
@@ -184,7 +184,11 @@ def test_set_random_seed_seeds_random_numpy_and_torch_as_deepspeed() -> None:
     assert drawn == (random.random(), float(np.random.rand()), float(torch.rand(())))
 
 
-def test_repeating_loader_restarts_and_reshuffles_per_epoch() -> None:
+def test_repeating_loader_restarts_and_leaves_the_sampler_alone() -> None:
+    """DeepSpeed's RepeatingLoader: a class, a new pass when one ends, no set_epoch (so a
+    DistributedSampler repeats its order, as on DeepSpeed)."""
+    import pytest
+
     from partita.runtime.dataloader import RepeatingLoader
 
     class Sampler:
@@ -199,9 +203,11 @@ def test_repeating_loader_restarts_and_reshuffles_per_epoch() -> None:
 
     loader = Loader([1, 2, 3])
     repeating = RepeatingLoader(loader)
-    assert iter(repeating) is repeating
+    assert isinstance(repeating, RepeatingLoader) and iter(repeating) is repeating and len(repeating) == 3
     assert [next(repeating) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
-    assert loader.sampler.epochs == [0, 1, 2]
+    assert loader.sampler.epochs == []
+    with pytest.raises(ValueError, match="RepeatingLoader: the loader yielded no batch in a whole pass"):
+        next(RepeatingLoader([]))
 
 
 def test_dotted_paths_from_a_bare_import() -> None:

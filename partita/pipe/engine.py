@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partita.data.sampler import infinite_batches
 from partita.distributed import collectives
 from partita.engine import Engine
 from partita.pipe.bubble import BubbleTimer
@@ -104,7 +105,7 @@ class PipelineEngine(Engine):
         # Tensor and sequence ranks must read the same samples: checked once, at the first batch.
         self._batch_checked = topology.tensor_size == 1 and topology.sequence_size == 1
         self._data_iterator: Iterator | None = (
-            _repeat(self.training_dataloader) if self.training_dataloader is not None else None
+            infinite_batches(self.training_dataloader) if self.training_dataloader is not None else None
         )
         if topology.rank == 0:
             for row in module.partition_summary():
@@ -372,14 +373,3 @@ def _split(outputs: Any, parts: int) -> list[Any]:
         return list(torch.tensor_split(outputs, parts))
     columns = [torch.tensor_split(t, parts) for t in outputs]
     return [tuple(c[k] for c in columns) for k in range(parts)]
-
-
-def _repeat(loader) -> Iterator:
-    """DeepSpeed's RepeatingLoader: restart the loader (a new epoch) when it runs out."""
-    epoch = 0
-    while True:
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1

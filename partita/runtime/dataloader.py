@@ -1,8 +1,5 @@
-"""``deepspeed.runtime.dataloader``: ``RepeatingLoader`` is the pipeline engine's endless loader
-(:func:`partita.pipe.engine._repeat`): ``RepeatingLoader(loader)`` is an iterator that starts a
-new pass over ``loader`` when one ends, as DeepSpeed's, and also calls ``sampler.set_epoch(k)``
-before pass ``k`` so a ``DistributedSampler`` reshuffles each epoch. It is a generator, not a
-class: ``next()``, ``iter()`` and ``for`` work, ``isinstance(x, RepeatingLoader)`` does not.
+"""``deepspeed.runtime.dataloader``: ``RepeatingLoader`` is :class:`partita.data.RepeatingLoader`
+(DeepSpeed's: a new pass over the loader when one ends, the sampler left alone).
 ``DeepSpeedDataLoader`` is refused: ``partita.initialize(training_data=dataset)`` returns the
 loader.
 """
@@ -18,4 +15,4 @@ MISSING = {
     ),
 }
 
-__getattr__ = refuse(__name__, MISSING, lazy={"RepeatingLoader": ("partita.pipe.engine", "_repeat")})
+__getattr__ = refuse(__name__, MISSING, lazy={"RepeatingLoader": ("partita.data.repeating", "RepeatingLoader")})
