@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from partita.moe.layer import MoE
 
 __all__ = ["bind_experts", "checkpoint_name", "checkpoint_renames", "expert_index", "expert_names_elsewhere",
-           "gather_expert_copies",
+           "expert_export_order", "gather_expert_copies",
            "expert_piece_ranks", "expert_shard_of", "global_expert_names", "is_moe_param", "moe_layers",
            "register_expert_params"]
 
@@ -231,3 +231,32 @@ def gather_expert_copies(name: str, param: torch.Tensor, whole: torch.Tensor) ->
     pieces = [torch.empty_like(whole) for _ in names]
     dist.all_gather(pieces, whole.contiguous(), group=layer._groups.expert_group)
     return list(zip(names, pieces))
+
+
+def expert_export_order(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The export names of ``named`` (a model's ``(name, tensor)`` pairs in its own order) in
+    the order the same model built at ``ep_size`` 1 lists them.
+
+    An expert-parallel layer's local expert ``j`` stands for global experts ``r * n + j`` of
+    every expert rank ``r``; at ``ep_size`` 1 a layer's experts come one after another, each
+    with its parameters in their own order, where the layer's first local expert parameter sits.
+    Every other name keeps its place."""
+    block_start: dict[int, int] = {}  # layer id -> position of its first expert parameter
+    keyed = []
+    for pos, (name, tensor) in enumerate(named):
+        names = global_expert_names(name, tensor)
+        if len(names) == 1:
+            keyed.append(((pos, -1, 0), names[0]))
+            continue
+        layer = _entry(tensor).layer
+        start = block_start.setdefault(id(layer), pos)
+        n = layer.num_local_experts
+        local = _entry(tensor).local_index
+        keyed += [((start, r * n + local, pos), global_name) for r, global_name in enumerate(names)]
+    seen: set[str] = set()
+    out = []
+    for _, name in sorted(keyed, key=lambda item: item[0]):
+        if name not in seen:  # a name repeated (tied aliases) keeps its first place
+            seen.add(name)
+            out.append(name)
+    return out

@@ -9,6 +9,12 @@ no rank holds more than one extra whole parameter on the device at a time.
 Under tensor parallelism both return *whole* tensors under the model's own keys: a tensor
 shard is first rebuilt from the ZeRO shards of its tensor rank, then gathered across the
 tensor group (``gather_whole``); every rank takes part in both gathers.
+
+Under expert parallelism (an MoE layer with ``ep_size > 1``) each rank holds only its own
+experts; both exports gather every expert rank's copy of each local expert slot over the expert
+group (:func:`partita.moe.registry.gather_expert_copies`) and return every expert under its
+global name, ``...deepspeed_experts.<global index>.<name>``, in the order of the same model
+built at ``ep_size`` 1: the keys and values ``model.state_dict()`` has in one process.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.moe.registry import expert_export_order, gather_expert_copies, global_expert_names
 from partita.tensor_parallel.layers import gather_whole, tensor_shard_of
 from partita.zero.api import ZeroState
 from partita.zero.gathered import iter_fp32_master, iter_full_parameters
@@ -42,30 +49,37 @@ def fp32_state_dict(module: nn.Module, zero: ZeroState, *, rank0_only: bool = Tr
     """Full fp32 weights keyed like ``module.state_dict()`` (tied weights under every name),
     as CPU tensors; empty on ranks other than 0 when ``rank0_only``."""
     keep = _is_writer() or not rank0_only
-    master: dict[nn.Parameter, torch.Tensor] = {}
+    first_name = {p: n for n, p in module.named_parameters()}
+    # param -> its whole fp32 value: one tensor, or every expert rank's copy (expert parallelism)
+    master: dict[nn.Parameter, list[torch.Tensor]] = {}
     trained: set[nn.Parameter] = set()
     for param, full in iter_fp32_master(zero):
         trained.add(param)
         shard = _split_of(param)
         if shard is not None:
             full = gather_whole(full.contiguous(), shard).contiguous()
+        copies = gather_expert_copies(first_name[param], param, full)  # every rank of the expert group calls
         if keep:
-            master[param] = full.detach().to("cpu", copy=True)
+            master[param] = [t.detach().to("cpu", copy=True) for _, t in copies]
     # Parameters without a master (frozen): their own values, gathered one at a time where ZeRO-3
     # holds them as shards (every rank takes part).
     untrained = [(n, p) for n, p in module.named_parameters() if p not in trained]
     by_name = dict(untrained)
     for name, full in iter_full_parameters(zero, untrained):
+        copies = gather_expert_copies(name, by_name[name], full.float())
         if keep:
-            master[by_name[name]] = full.float().to("cpu", copy=True)
+            master[by_name[name]] = [t.to("cpu", copy=True) for _, t in copies]
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        out[name] = master[param]
-    for name, buffer in module.named_buffers():
-        out[name] = buffer.detach().cpu()
-    return out
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers())
+    for name, tensor in named:
+        if isinstance(tensor, nn.Parameter) and tensor in master:
+            # Every name of the parameter (tied aliases too) with each expert rank's copy.
+            out.update(zip(global_expert_names(name, tensor), master[tensor]))
+        else:
+            out[name] = tensor.detach().cpu()
+    return {name: out[name] for name in expert_export_order(named)}
 
 
 def consolidated_16bit_state_dict(
@@ -86,17 +100,22 @@ def consolidated_16bit_state_dict(
             first_name[id(tensor)] = name
             unique.append((name, tensor))
     writer = _is_writer()
-    saved: dict[str, torch.Tensor] = {}
+    saved: dict[str, list[torch.Tensor]] = {}
     # One parameter gathered at a time (buffers and stage 0-2 parameters need no gather).
     for name, full in iter_full_parameters(zero, unique):
         shard = _split_of(entries[name])
         if shard is not None:
             full = gather_whole(full.contiguous(), shard).contiguous()  # while the ZeRO-3 gather still holds it
+        # An expert-parallel expert: every expert rank's copy (a collective over the expert group).
+        copies = gather_expert_copies(name, entries[name], full)
         if writer:
-            saved[name] = full.to("cpu", copy=True).contiguous()
+            saved[name] = [t.to("cpu", copy=True).contiguous() for _, t in copies]
     if not writer:
         return {}
-    return {name: saved[first_name[id(t)]] for name, t in entries.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in entries.items():
+        out.update(zip(global_expert_names(name, tensor), saved[first_name[id(tensor)]]))
+    return {name: out[name] for name in expert_export_order(list(entries.items()))}
 
 
 def _drop_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
