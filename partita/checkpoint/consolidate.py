@@ -31,7 +31,7 @@ import torch
 from partita.checkpoint import format as fmt
 from partita.checkpoint.errors import CheckpointError
 from partita.checkpoint.pipeline_layout import sequential_names
-from partita.checkpoint.reshard import ShardReader
+from partita.checkpoint.stacked_experts import open_upgraded
 from partita.checkpoint.safetensors_io import TensorEntry, write_json, write_safetensors
 from partita.checkpoint.tensor_layout import assemble
 from partita.progress import progress
@@ -104,6 +104,8 @@ def consolidate(tag_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     tag_dir, out_dir = Path(tag_dir), Path(out_dir)
     meta = json.loads((tag_dir / fmt.META_FILE).read_text(encoding="utf-8"))
+    # MoE experts saved stacked by earlier partita come out under today's per-expert names.
+    meta, reader = open_upgraded(tag_dir, meta)
     items, aliases = _plan(meta, DTYPES[dtype])
     # A pipeline checkpoint's keys become those of nn.Sequential(*layers) (pipeline_layout's note).
     renamed = {item.name: item.name for item in items}
@@ -114,7 +116,7 @@ def consolidate(tag_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
     out_dir.mkdir(parents=True, exist_ok=True)
     params = meta["optimizer"]["params"]
     weight_map: dict[str, str] = {}
-    with ShardReader(tag_dir) as reader, progress(len(items), desc="consolidate", enabled=True, interval_s=5.0) as bar:
+    with reader, progress(len(items), desc="consolidate", enabled=True, interval_s=5.0) as bar:
 
         def produce(item: _Item):
             def build() -> torch.Tensor:

@@ -45,6 +45,7 @@ from partita.checkpoint.snapshot import (
     sharded_param_keys,
     tensor_rank_files,
 )
+from partita.checkpoint.stacked_experts import open_upgraded
 from partita.checkpoint.state_layout import block_range, element_shards, element_stop
 from partita.checkpoint.tensor_layout import check_block_wise, full_shape_of, last_shard_file, read_blocks, read_elements
 from partita.checkpoint.sync import Coordinator
@@ -189,11 +190,13 @@ def _restore(
     check_layout: Callable[[Engine, dict[str, Any], bool], None] | None = None,
 ) -> dict[str, Any]:
     meta = json.loads((path / fmt.META_FILE).read_text(encoding="utf-8"))
+    # MoE experts saved stacked by earlier partita: read under today's per-expert names.
+    meta, reader = open_upgraded(path, meta, engine.module)
     strict = load_module_strict
     if check_layout is not None:
         check_layout(engine, meta, load_module_strict, parameters=not load_module_only)
         strict = False  # checked over every stage just now; this rank's keys are a part of them
-    with ShardReader(path) as reader:
+    with reader:
         tensor_of = lambda key: reader.tensor(meta["state_file"], key)  # noqa: E731
         sharded_now = sharded_param_keys(engine)
         # Keys restored through the fp32 master weights instead of the model file: those held
