@@ -12,7 +12,7 @@ Two measurements:
    each run a fresh subprocess, interleaved round by round so drift of the shared machine lands
    on both alike. Prints the median step time of each and the ratios.
 
-    python benchmarks/zero3_freed_overhead.py --before /tmp/before --after /tmp/after [--rounds 3]
+    python benchmarks/zero3_freed_overhead.py --before /tmp/before --after /tmp/after [--rounds 3] [--gpu]
     python benchmarks/zero3_freed_overhead.py --primitive-only
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 GPT2_SMALL = {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768}
 
 
-def _engine(stage: int):
+def _engine(stage: int, *, batch: int = 1, bf16: bool = False):
     import torch
 
     import partita
@@ -38,8 +38,8 @@ def _engine(stage: int):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**GPT2_SMALL))
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
+    cfg = {"train_micro_batch_size_per_gpu": batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
     engine, *_ = partita.initialize(model=model, config=cfg)
     return engine
 
@@ -88,29 +88,42 @@ def primitive() -> dict:
             "extra_per_step_us": 2 * extra * len(params)}  # freed and refilled twice per step
 
 
-def step_worker(stage: int, steps: int) -> dict:
+def step_worker(stage: int, steps: int, *, gpu: bool) -> dict:
+    """CPU: micro-batch 1 x 32 tokens in fp32, one thread. GPU: micro-batch 32 x 1024 tokens in bf16
+    (the guide's GPT-2 124M setting)."""
     import torch
 
-    torch.set_num_threads(1)
-    engine = _engine(stage)
+    torch.set_num_threads(1 if not gpu else torch.get_num_threads())
+    batch, seq = (32, 1024) if gpu else (1, 32)
+    engine = _engine(stage, batch=batch, bf16=gpu)
+    device = torch.device("cuda") if gpu else torch.device("cpu")
     g = torch.Generator().manual_seed(1)
     times = []
-    for step in range(steps + 2):  # two warm-up steps
-        x = torch.randint(0, GPT2_SMALL["vocab_size"], (1, 32), generator=g)
+    for step in range(steps + 3):  # three warm-up steps
+        x = torch.randint(0, GPT2_SMALL["vocab_size"], (batch, seq), generator=g).to(device)
+        if gpu:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         loss = engine(x, x)[1]
         engine.backward(loss)
         engine.step()
-        if step >= 2:
+        if gpu:
+            torch.cuda.synchronize()
+        if step >= 3:
             times.append(time.perf_counter() - start)
     return {"stage": stage, "step_s": statistics.median(times)}
 
 
-def _run_tree(tree: Path, stage: int, steps: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + stage),
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--worker", str(stage), "--steps", str(steps)], env=env,
-                         cwd=tree, check=True, capture_output=True, text=True)
+def _run_tree(tree: Path, stage: int, steps: int, gpu: bool) -> float:
+    path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + stage),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    if not gpu:
+        env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(stage), "--steps", str(steps)]
+    out = subprocess.run(command + (["--gpu"] if gpu else []), env=env, cwd=tree, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {tree} worker at stage {stage} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
 
 
@@ -121,10 +134,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--primitive-only", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="time the step on CUDA (micro-batch 32 x 1024, bf16)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        print(json.dumps(step_worker(args.worker, args.steps)))
+        print(json.dumps(step_worker(args.worker, args.steps, gpu=args.gpu)))
         return
     if args.primitive_only or args.before is None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29610", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
@@ -132,6 +146,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         print(json.dumps(primitive(), indent=1))
         return
+    args.before, args.after = args.before.resolve(), args.after.resolve()
     for tree in (args.before, args.after):
         if not (tree / "partita" / "__init__.py").is_file():
             parser.error(f"{tree} holds no partita tree (partita/__init__.py): export one with git archive")
@@ -139,7 +154,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for stage in (1, 3):
             for name, tree in (("before", args.before), ("after", args.after)):
-                results.setdefault(f"{name} zero{stage}", []).append(_run_tree(tree, stage, args.steps))
+                results.setdefault(f"{name} zero{stage}", []).append(_run_tree(tree, stage, args.steps, args.gpu))
     median = {k: statistics.median(v) for k, v in results.items()}
     report = {
         "runs_s": results,
