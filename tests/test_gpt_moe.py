@@ -79,10 +79,11 @@ def _train(ep: int) -> dict:
 
 
 def _by_global_expert(model, export: dict) -> dict:
-    """The export with every expert rank's experts under their global names (``deepspeed_experts.<e>``)."""
-    from partita.moe.registry import gather_expert_copies
+    """The export's parameters: every expert rank's experts, under their global names
+    (``deepspeed_experts.<e>``), as the export returns them at ep_size > 1."""
+    from partita.moe.registry import global_expert_names
 
-    return {g: t for n, p in model.named_parameters() for g, t in gather_expert_copies(n, p, export[n])}
+    return {g: export[g] for n, p in model.named_parameters() for g in global_expert_names(n, p)}
 
 
 def _distinct_experts_without_sampling(model, ep: int) -> None:

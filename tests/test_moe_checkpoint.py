@@ -62,11 +62,7 @@ def save_and_reshard(save_dir: str) -> dict:
     for step in range(2):
         _step(engine, rank, world, step)
     engine.save_checkpoint(save_dir, tag="ep2")
-    from partita.moe.registry import gather_expert_copies
-
-    export = engine.get_fp32_state_dict(rank0_only=False)  # this rank's experts, under their local names
-    # Every expert rank's experts under their global names (what an export at ep_size > 1 needs).
-    export = {g: t for n, p in model.named_parameters() for g, t in gather_expert_copies(n, p, export[n])}
+    export = engine.get_fp32_state_dict(rank0_only=False)  # every expert rank's experts, under their global names
     assert sorted(k for k in export if k.startswith(EXPERTS)) == sorted(
         f"{EXPERTS}{e}.{leaf}" for e in range(E) for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
     out["ep2"] = {"experts": model.moe.local_expert_indices, "saved": _params(model), "export": stacked_view(export)}

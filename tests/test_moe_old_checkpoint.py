@@ -183,3 +183,26 @@ def test_consolidate_writes_an_old_checkpoint_under_todays_names(tmp_path) -> No
         _assert_close(state, _today(expected[tag]["saved"]), f"consolidated {tag}")
         fresh = NewNet(1)
         fresh.load_state_dict(state, strict=True)
+
+
+def test_upgrade_refuses_block_wise_state_and_leaves_other_checkpoints_alone() -> None:
+    import copy
+    import json
+
+    from partita.checkpoint.stacked_experts import upgrade
+
+    meta = json.loads((FIXTURE / "ckpt" / "ep2" / "meta.json").read_text())
+    eight_bit = copy.deepcopy(meta)
+    eight_bit["optimizer"]["groups"][1]["block_state"] = ["absmax1"]
+    with pytest.raises(NotImplementedError, match="8-bit block-wise optimizer state.*load_optimizer_states=False"):
+        upgrade(eight_bit)
+    # A model whose own module is called experts.stacked (no MoE gate beside it) is not the old layout.
+    no_gate = copy.deepcopy(meta)
+    no_gate["model"]["keys"] = [k.replace("moe.gate.wg.weight", "moe.router.weight") for k in meta["model"]["keys"]]
+    assert upgrade(no_gate) is None
+    layout = upgrade(meta)
+    record = layout.meta["optimizer"]["params"]["moe.deepspeed_moe.experts.deepspeed_experts.3.fc2.bias"]
+    # fc2.bias (4 experts x 4): expert 3 is elements [12, 16), expert rank 1's piece [8, 16) at [0, 8) of its file.
+    assert record["shape"] == [4] and record["numel"] == 4
+    assert record["shards"] == [{"file": "rank00001.safetensors", "start": -4, "end": 4}]
+    assert "moe.experts.stacked.fc2.bias" not in layout.meta["optimizer"]["params"]

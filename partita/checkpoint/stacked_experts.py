@@ -74,7 +74,11 @@ def _shape_of(meta: dict[str, Any], key: str) -> list[int] | None:
 def _renames(meta: dict[str, Any]) -> dict[str, list[tuple[str, _Row]]]:
     """``{old key: [(new name, source row), ...]}`` for every old-layout key (empty when none)."""
     keys = meta["model"]["keys"]
-    prefixes = {m["prefix"] for k in keys if (m := _STACKED.match(k)) and m["kind"] == "experts"}
+    # An old MoE layer is stacked experts next to its gate (a user module that happens to be
+    # called experts.stacked is not one).
+    present = set(keys)
+    prefixes = {m["prefix"] for k in keys if (m := _STACKED.match(k)) and m["kind"] == "experts"
+                and f"{m['prefix']}gate.wg.weight" in present}
     out: dict[str, list[tuple[str, _Row]]] = {}
     for key in keys:
         match = _STACKED.match(key)
