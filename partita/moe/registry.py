@@ -14,7 +14,10 @@ treat them differently asks this module:
   expert ``j``'s parameter ``...deepspeed_experts.<j>.<leaf>`` to
   ``...deepspeed_experts.<first + j>.<leaf>`` (``first`` = expert rank x local experts), the
   name it has at ``ep_size`` 1, so a checkpoint saved at one ``ep_size`` loads at any other;
-  :func:`expert_names_elsewhere` names the experts other expert ranks hold.
+  :func:`expert_names_elsewhere` names the experts other expert ranks hold;
+- exports (partita/zero/export.py): :func:`gather_expert_copies` brings every expert rank's copy
+  of a local expert slot under its global name, :func:`expert_export_order` puts them in the
+  order of the same model at ``ep_size`` 1.
 """
 
 from __future__ import annotations
