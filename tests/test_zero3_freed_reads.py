@@ -169,6 +169,9 @@ def _train(*, under_init: bool, reads: bool, stage: int = 3, bf16: bool = False,
             out[point] = _read_all(engine.module)
             with GatheredParameters(list(engine.module.parameters())):
                 out[point + "_gathered"] = _read_all(engine.module)
+                with GatheredParameters([engine.module.blocks[0].up.weight]):  # nested: leaves it whole
+                    pass
+                out[point + "_after_nested"] = _outcome(READS["sum"], engine.module.blocks[0].up.weight)
 
     read("initialized")
     losses = []
@@ -296,6 +299,8 @@ def test_zero3_every_read_of_a_freed_parameter_raises_and_every_other_read_is_ex
                 freed = sharded if point != "mid_step" else _freed_keys(result[point])
                 _check_point(result[point], truth, freed=freed, why="zero3", where=f"{run}/{point}")
                 _check_point(result[point + "_gathered"], truth, freed=set(), why="zero3", where=f"{run}/{point}+G")
+                kind, value = result[point + "_after_nested"]
+                assert kind == "value" and torch.equal(value, truth["blocks.0.up.weight"].sum()), point
             # Between the forward and its backward: the root unit (embedding, tied head) is whole,
             # the blocks (at world size 1 freed at their forward's end) are not, or are kept whole.
             mid = _freed_keys(result["mid_step"])
@@ -340,3 +345,41 @@ def test_one_rank_weights_between_forward_and_backward(one_rank) -> None:
     _check_point(kept["mid_step"], initial, freed=set(), why="one_rank", where="kept/mid_step")
     for k, v in one_rank["quiet"]["final"].items():
         assert torch.equal(kept["final"][k], v), k
+
+
+def _transformers_body() -> dict:
+    """What transformers' own code reads from a ZeRO-3 model outside GatheredParameters."""
+    import partita
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    def build():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=61, n_positions=16))
+
+    plain = build()
+    model = build()
+    config = {**_config(3), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = partita.initialize(model=model, config=config)
+    sd = model.state_dict()
+    return {
+        "num_parameters": (model.num_parameters(), plain.num_parameters()),
+        "trainable": (model.num_parameters(only_trainable=True), plain.num_parameters(only_trainable=True)),
+        "param_count": (get_model_param_count(model), get_model_param_count(plain)),
+        "embedding_shape": (tuple(model.get_input_embeddings().weight.shape),
+                            tuple(plain.get_input_embeddings().weight.shape)),
+        "dtype": (str(model.dtype), str(plain.dtype)),
+        "freed": sum(p.untyped_storage().nbytes() == 0 for p in model.parameters()),
+        "repr_ok": "GPT2LMHeadModel" in repr(model),
+        "save": _outcome(lambda _: torch.save(sd, io.BytesIO()), None)[:2],
+    }
+
+
+def test_transformers_counts_a_zero3_model_outside_gathered_parameters() -> None:
+    out = run_distributed(_transformers_body, 1, timeout=300)[0]
+    assert out["freed"] > 10  # every parameter but none: threshold 0
+    for key in ("num_parameters", "trainable", "param_count", "embedding_shape", "dtype"):
+        ours, plain = out[key]
+        assert ours == plain, (key, ours, plain)  # DeepSpeed's freed parameters count 0 in num_parameters()
+    assert out["repr_ok"]
+    assert out["save"] == ("raised", "ParameterNotGatheredError")  # never an empty model written silently
