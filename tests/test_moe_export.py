@@ -1,7 +1,7 @@
 """Exports at ep_size 2 return every expert under its global name: ``get_fp32_state_dict``,
 ``_zero3_consolidated_16bit_state_dict`` and ``save_16bit_model`` on 2 and 4 gloo ranks at ZeRO
 0-3 equal the single-process model's ``state_dict`` (same keys in the same order, exactly equal
-fp32 values), before and after a training step, and the 16-bit file loads into a fresh
+fp32 values), before and after a training step, and the 16-bit file (fp32 and bf16 models) loads into a fresh
 single-process MoE model with ``load_state_dict(strict=True)``."""
 
 from __future__ import annotations
@@ -99,3 +99,33 @@ def test_exports_at_ep2_hold_every_expert_by_global_name(tmp_path, world: int) -
         fresh = MoENet(num_experts=E, ep_size=1, k=2, drop_tokens=False)
         fresh.load_state_dict(root["stepped_16bit"], strict=True)
         _assert_same(fresh.state_dict(), stepped, f"stage {stage} fresh model loaded from the 16-bit file")
+
+
+def bf16_exports(save_dir: str) -> dict:
+    import partita
+    from safetensors.torch import load_file
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = {}
+    for stage in (2, 3):
+        model = MoENet(num_experts=E, ep_size=2, k=2, drop_tokens=False, expert_rank=rank % 2)
+        engine, _, _, _ = partita.initialize(model=model, config={**_config(world, stage), "bf16": {"enabled": True}})
+        xs, ys = make_data(1, MICRO * world)
+        loss = engine(xs[0][rank * MICRO : (rank + 1) * MICRO], ys[0][rank * MICRO : (rank + 1) * MICRO])
+        engine.backward(loss)
+        engine.step()
+        path = engine.save_16bit_model(os.path.join(save_dir, f"stage{stage}"), "model.safetensors")
+        out[stage] = {"fp32": engine.get_fp32_state_dict(), "file": load_file(str(path)) if rank == 0 else {}}
+    return out
+
+
+def test_bf16_export_at_ep2_loads_into_a_single_process_model(tmp_path) -> None:
+    root = run_distributed(bf16_exports, 2, str(tmp_path), timeout=600)[0]
+    for stage in (2, 3):
+        saved, masters = root[stage]["file"], root[stage]["fp32"]
+        assert sorted(saved) == sorted(_single_process_state())
+        for name, value in masters.items():  # the bf16 weights are the fp32 masters rounded
+            assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], value.bfloat16()), f"stage {stage} {name}"
+        fresh = MoENet(num_experts=E, ep_size=1, k=2, drop_tokens=False).bfloat16()
+        fresh.load_state_dict(saved, strict=True)
+        assert all(torch.equal(fresh.state_dict()[n], saved[n]) for n in saved)
