@@ -38,6 +38,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 SIZE = dict(d_model=128, ffn=512, experts=8, k=2, micro_batch=4, seq=64, capacity_factor=1.25)
 EP_SIZES = (2, 4)
@@ -186,8 +188,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--json", default=None, help="write the raw and summarized results here")
+    parser.add_argument("--out", type=output_file, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=output_file, default=None, help="write the raw and summarized results here")
     parser.add_argument("--port", type=int, default=29641)
     args = parser.parse_args()
     if args.worker:

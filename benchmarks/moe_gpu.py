@@ -38,6 +38,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # benchmarks/ is not a package
+from output_paths import output_file  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -148,7 +150,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="parameters' dtype (bf16; --tiny: fp32)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     sizes = TINY if args.tiny else FULL
     for key in ("d_model", "n_head", "seq", "vocab"):
