@@ -119,11 +119,26 @@ def free_param(param: nn.Parameter, why: str, *, fresh_storage: bool = False) ->
 
 def allocate_param(param: nn.Parameter) -> None:
     """Give a freed ``param`` its class and its storage's bytes back, uninitialised: the caller
-    fills ``param.data`` (the whole tensor on that same storage) right away."""
+    fills ``param.data`` (the whole tensor on that same storage) right away.
+
+    A parameter may be a view into a storage it shares with others (MoE experts are rows of one
+    stacked storage, partita/moe/experts.py): the storage is grown to cover this view and never
+    shrunk, so refilling the rows one by one leaves every row's bytes in place."""
     cls = type(param)
     if issubclass(cls, _Freed):
         param.__class__ = cls._partita_base
-    param.untyped_storage().resize_(param.numel() * param.element_size())
+    storage = param.untyped_storage()
+    needed = _extent_bytes(param)
+    if storage.nbytes() < needed:
+        storage.resize_(needed)
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of its storage that ``tensor`` reaches: its offset plus its last element."""
+    if tensor.numel() == 0:
+        return tensor.storage_offset() * tensor.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (tensor.storage_offset() + last + 1) * tensor.element_size()
 
 
 def is_freed(param: torch.Tensor) -> bool:

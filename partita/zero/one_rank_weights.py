@@ -106,7 +106,8 @@ class OneRankWeights:
         # One shard: a parameter's elements start at its partition offset, unpadded.
         self._master_of = {param: (group, spec) for group in groups
                            for param, spec in zip(group.params, group.layout.specs)}
-        self._units = _assign_units(module, _owning_their_storage(module, self._master_of))
+        freeable = _owning_their_storage(module, self._master_of)
+        self._units = _one_unit_per_storage(_assign_units(module, freeable), freeable)
         name_params(module.named_parameters(), replace=True)  # error messages name freed parameters
         self._freed: set[nn.Module] = set()
         self._sources: dict[nn.Module, tuple] = {}  # _refill_pairs' cache: masters, their addresses, slices
@@ -221,17 +222,41 @@ class OneRankWeights:
 
 
 def _owning_their_storage(module: nn.Module, params: Iterable[nn.Parameter]) -> set[nn.Parameter]:
-    """The parameters whose storage holds them alone: freeing it frees nothing else."""
-    users: dict[int, int] = {}
+    """The parameters whose storage holds nothing but freeable parameters, which together fill it:
+    freeing it frees nothing else. Usually one parameter per storage; MoE experts' parameters are
+    rows of one stacked storage (partita/moe/experts.py), freed and refilled together as long as
+    they fall in one unit (:func:`_one_unit_per_storage`)."""
+    candidates = set(params)
+    users: dict[int, list[torch.Tensor]] = {}
     for tensor in list(module.parameters()) + list(module.buffers()):
-        key = tensor.untyped_storage().data_ptr()
+        users.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    freeable = set()
+    for tensors in users.values():
+        storage = tensors[0].untyped_storage()
+        if all(t in candidates for t in tensors) and storage.nbytes() == sum(t.numel() * t.element_size() for t in tensors) \
+                and all(t.is_contiguous() for t in tensors):
+            freeable.update(tensors)
+    return freeable
+
+
+def _one_unit_per_storage(units: dict[nn.Module, list[nn.Parameter]],
+                          freeable: set[nn.Parameter]) -> dict[nn.Module, list[nn.Parameter]]:
+    """Keep a storage's parameters only when they all fall in one unit: freeing a unit must not
+    free the values of a parameter in another unit or one left whole (outside every unit)."""
+    users: dict[int, int] = {}
+    for param in freeable:
+        key = param.untyped_storage().data_ptr()
         users[key] = users.get(key, 0) + 1
-    return {
-        p for p in params
-        if p.storage_offset() == 0
-        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
-        and users.get(p.untyped_storage().data_ptr()) == 1
-    }
+    kept = {}
+    for unit, params in units.items():
+        in_unit: dict[int, int] = {}
+        for param in params:
+            key = param.untyped_storage().data_ptr()
+            in_unit[key] = in_unit.get(key, 0) + 1
+        mine = [p for p in params if in_unit[p.untyped_storage().data_ptr()] == users[p.untyped_storage().data_ptr()]]
+        if mine:
+            kept[unit] = mine
+    return kept
 
 
 def _assign_units(module: nn.Module, freeable: set[nn.Parameter]) -> dict[nn.Module, list[nn.Parameter]]:
