@@ -50,6 +50,7 @@ from transformers.optimization import get_scheduler
 
 from partita.integrations.hf_config import resolve_trainer_config
 from partita.integrations.hf_zero3 import HfZero3, enable_zero3, save_pretrained
+from partita.zero.freed import is_freed
 
 __all__ = ["HfZero3", "PartitaTrainer", "enable_zero3", "save_pretrained"]
 
@@ -100,7 +101,7 @@ class PartitaTrainer(Trainer):
         # A model built under partita.zero.Init holds shards, not storage: Module.to would copy
         # from nothing (torch crashes on "cpu" -> "cpu:0"). It is on its device already, and
         # partita.initialize places every other model itself.
-        if any(p.numel() and p.untyped_storage().nbytes() == 0 for p in model.parameters()):
+        if any(is_freed(p) for p in model.parameters()):
             return
         super()._move_model_to_device(model, device)
 
