@@ -11,12 +11,26 @@ fails when the allocator cannot *reserve* what a request needs, and reserved mem
    stream and split for later requests. With ``expandable_segments:True`` each pool of each
    stream is one segment growing in pages of those sizes (2 MiB small, 20 MiB large), so at most
    one page per pool is unused at the segment's end.
-2. Fragmentation (calibrated, not derived): free blocks cached between live ones that a large
-   request cannot use. Modelled as ``a x S + f x T``: ``S`` the model states (few flat tensors,
-   allocated once: little fragmentation), ``T`` the rest of the peak (activations, buffers,
-   gathered parameters: allocated and freed every step in changing sizes: much more). The
-   coefficients come from recorded H200 runs (:mod:`partita.estimate.allocator_calibration`
-   refits them; ``tests/test_estimate_allocator.py`` checks the constants equal the fit).
+2. Fragmentation (calibrated, not derived): free blocks cached between live ones that a later,
+   larger request cannot use. Modelled as ``a x S + r x K + g x T``, a term per way blocks are
+   freed while others stay live:
+
+   - ``S``, the model states: few flat tensors allocated once (the optimizer states at the first
+     step, into whatever holes the first step's activations left): a few percent of them.
+   - ``K``, the bytes of one block recomputed in backward (activation checkpointing): each
+     block's activations are rebuilt and freed while its parameter gradients are allocated in
+     between, so the holes are a few blocks' worth; ``r`` is per byte of *one* block and applies
+     whether or not the peak falls inside backward (the holes stay cached).
+   - ``T``, the rest of the peak (saved activations, the loss, buffers): freed in backward in
+     changing sizes: a small fraction.
+   - Not counted: blocks re-requested at one size each time, which reuse their own freed blocks:
+     ZeRO-3's gathered parameters (frozen ones included) and sequence tiling's MLP tile. The H200
+     runs show none (ZeRO-3 without checkpointing: 0.4% over the allocated bytes).
+
+   The coefficients come from GPU memory snapshots on one H200
+   (:mod:`partita.estimate.allocator_calibration` refits them; ``tests/test_estimate_allocator.py``
+   checks the constants equal the fit). Fixed segments keep ``a`` and ``r`` and a larger ``g``
+   from their one measured run (torch cannot merge blocks of different ``cudaMalloc`` segments).
 
 ``max_split_size_mb`` stops blocks above it from being split (less fragmentation of large
 blocks, more of small ones); no run records it, so it takes the default allocator's
@@ -36,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALLOCATORS", "AllocatorConfigError", "FRAGMENTATION", "KIB", "MIB", "AllocatorModel", "ReservedEstimate", "allocator_from_conf",
-    "page_size", "reserved_estimate", "round_size", "segment_size",
+    "fragmentation_terms", "page_size", "reserved_estimate", "round_size", "segment_size",
 ]
 
 class AllocatorConfigError(ValueError):
@@ -57,11 +71,11 @@ ALLOCATORS = ("expandable", "default", "none")
 partita/launcher/allocator.py); ``default``: torch's fixed segments; ``none``: no caching allocator
 (CPU runs), reserved = allocated."""
 
-# (a, f): fragmentation per byte of model states and per byte of the rest of the peak. Fitted by
-# partita.estimate.allocator_calibration.fit() from the runs it lists; the test refits them.
-FRAGMENTATION: dict[str, tuple[float, float]] = {
-    "expandable": (0.0302, 0.1627),
-    "default": (0.113, 0.1627),
+# (a, r, g): fragmentation per byte of model states, of one recomputed block and of the rest of the
+# peak. Fitted by partita.estimate.allocator_calibration.fit() from the runs it lists; the test refits.
+FRAGMENTATION: dict[str, tuple[float, float, float]] = {
+    "expandable": (0.023, 3.7, 0.052),
+    "default": (0.108, 3.7, 0.181),
 }
 
 
@@ -107,8 +121,8 @@ class AllocatorModel:
                                 f"got {self.max_split_size_mb!r}")
 
     @property
-    def coefficients(self) -> tuple[float, float]:
-        return (0.0, 0.0) if self.kind == "none" else FRAGMENTATION[self.kind]
+    def coefficients(self) -> tuple[float, float, float]:
+        return (0.0, 0.0, 0.0) if self.kind == "none" else FRAGMENTATION[self.kind]
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -149,7 +163,7 @@ class ReservedEstimate:
     allocated: int  # the estimator's peak (tensor bytes)
     rounding: int  # 512-byte rounding of the tensors it can enumerate
     pages: int  # unused end of the segments (expandable: one page per pool)
-    fragmentation: int  # a x model states + f x the rest
+    fragmentation: int  # a x model states + r x one recomputed block + g x the rest
     model: AllocatorModel
 
     @property
@@ -167,14 +181,26 @@ def rounding_overhead(sizes: list[int]) -> int:
     return sum(round_size(n) - n for n in sizes if n > 0)
 
 
+def fragmentation_terms(estimate: MemoryEstimate) -> tuple[int, int, int]:
+    """``(S, K, T)`` of :data:`FRAGMENTATION`'s model for ``estimate``: accelerator model states, the
+    bytes of one block recomputed in backward, and the rest of the peak less the blocks re-requested
+    at one size (ZeRO-3 gathers, the MLP tile), which reuse their own freed blocks."""
+    peak = estimate.peak_accelerator
+    states = min(peak, estimate.model_states("accelerator"))
+    on_device = [line for line in estimate.lines if line.device == "accelerator"]
+    recompute = sum(line.nbytes for line in on_device if line.kind == "recompute")
+    recycled = sum(line.nbytes for line in on_device if line.kind in ("gathered", "mlp_tile"))
+    return states, recompute, max(0, peak - states - recompute - recycled)
+
+
 def reserved_estimate(estimate: MemoryEstimate, model: AllocatorModel, tensor_sizes: list[int]) -> ReservedEstimate:
     """Reserved accelerator bytes at ``estimate``'s peak under ``model``; ``tensor_sizes``: the bytes of
     the tensors alive at the peak that the estimator can enumerate (model states, saved activations)."""
     allocated = estimate.peak_accelerator
     if model.kind == "none" or allocated == 0:
         return ReservedEstimate(allocated, 0, 0, 0, model)
-    states = min(allocated, estimate.model_states("accelerator"))
-    a, f = model.coefficients
-    fragmentation = int(a * states + f * (allocated - states))
+    a, r, g = model.coefficients
+    states, recompute, rest = fragmentation_terms(estimate)
+    fragmentation = int(a * states + r * recompute + g * rest)
     pages = LARGE_BUFFER + SMALL_BUFFER if model.kind == "expandable" else SMALL_BUFFER
     return ReservedEstimate(allocated, rounding_overhead(tensor_sizes), pages, fragmentation, model)

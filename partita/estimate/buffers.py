@@ -198,5 +198,5 @@ def buffer_lines(info: ModelInfo, setup: Setup) -> list[Line]:
     if setup.stage == 3:
         live, note = _stage3_live_bytes(info, setup)
         lines.append(Line("buffers", "ZeRO-3 parameters gathered whole", "accelerator", live,
-                          frozenset({START_BACKWARD, BACKWARD}), note=note, exact=False))
+                          frozenset({START_BACKWARD, BACKWARD}), note=note, exact=False, kind="gathered"))
     return lines
