@@ -146,6 +146,10 @@ def test_tune_sweep_prunes_what_ran_out_of_memory():
 
     assert tune_fraction() == 0.1627  # the envelope the tuner keeps (partita/autotune/tuner.py)
     budget = 0.95 * H200
+    # The fitted model alone (from the benchmark's loop) would launch micro-batch 128 again: the envelope
+    # of the trial that ran out of memory is what prunes it.
+    alone = estimate_memory(GPTShape.preset("gpt2-124m"), stage=0, micro_batch=128)
+    assert round(alone.reserved_accelerator / GIB, 1) == 130.3 < budget / GIB
     expected = {(32, "none"): "run", (32, "every"): "run", (128, "none"): "pruned", (128, "every"): "run",
                 (192, "none"): "pruned", (192, "every"): "pruned"}
     for allocator, oom_case in (("expandable", "pruned"), ("none", "run")):
@@ -158,6 +162,8 @@ def test_tune_sweep_prunes_what_ran_out_of_memory():
                 point = TrialPoint(stage=stage, micro_batch=mb, gradient_accumulation_steps=1, checkpointing=ckpt,
                                    offload="none", world_size=1)
                 verdict = "pruned" if estimator(point) > budget else "run"
+                if (allocator, mb, ckpt) == ("expandable", 128, "none"):
+                    assert round(estimator(point) / GIB, 1) == (143.7 if stage == 0 else 143.9)
                 want = oom_case if (mb, ckpt) == (128, "none") else outcome
                 assert verdict == want, (allocator, stage, mb, ckpt, estimator(point) / GIB)
 
