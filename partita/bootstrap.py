@@ -43,6 +43,7 @@ from partita.precision.loss_scaler import build_loss_scaler
 from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
 from partita.ops.sparse_attention.apply import apply_config as apply_sparse_attention_config
 from partita.sequence.apply import apply_sequence_parallel
+from partita.utils.host_memory import release_free_host_memory
 from partita.sequence.apply_tiling import apply_sequence_tiling
 from partita.zero.api import apply_zero
 from partita.pipe import PipelineModule
@@ -200,6 +201,7 @@ def initialize(
         from partita.checkpoint.resume import resume_from_config
 
         resume_from_config(engine)  # checkpoint.resume: continue from the newest complete checkpoint
+    release_free_host_memory()  # whole copies and init shards freed while building (partita/utils/host_memory.py)
     return engine, zero.optimizer, dataloader, scheduler
 
 

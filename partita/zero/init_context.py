@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.distributed import collectives
+from partita.utils.host_memory import release_free_host_memory
 from partita.zero.freed import (INIT, allocate_param, free_param, init_contexts_opened, is_freed, name_params,
                                 storage_sized)
 from partita.zero.freed import sharded_access_active  # noqa: F401 - re-exported (it lived here)
@@ -205,6 +206,7 @@ class Init:
         else:
             nn.Module.__init_subclass__ = self._orig_init_subclass
         nn.Module.apply = self._orig_apply
+        release_free_host_memory()  # the whole parameters freed after sharding (partita/utils/host_memory.py)
 
     # ------------------------------------------------------------------ patching
     def _wrap_init(self, cls: type) -> None:
