@@ -28,7 +28,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["resolve_trainer_config"]
+__all__ = ["read_config", "resolve_trainer_config"]
 
 _MISSING = object()
 
@@ -43,7 +43,7 @@ def resolve_trainer_config(
             and the fix), or the config is not a JSON object.
         NotImplementedError: no ``optimizer`` section and ``args.optim`` is not an AdamW variant.
     """
-    cfg = _read(config)
+    cfg = read_config(config)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     _fill(cfg, "train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
     _fill(cfg, "gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
@@ -86,12 +86,14 @@ def resolve_trainer_config(
     return cfg
 
 
-def _read(config: dict | str | os.PathLike) -> dict:
+def read_config(config: dict | str | os.PathLike, *, caller: str = "the partita config") -> dict:
+    """A private copy of a config given as a dict or a JSON file's path (``caller`` names the
+    argument in the error)."""
     if isinstance(config, (str, os.PathLike)):
         with open(config, encoding="utf-8") as f:
             config = json.load(f)
     if not isinstance(config, dict):
-        raise ValueError(f"the partita config must be a dict or a JSON file's path, got {type(config).__name__}")
+        raise ValueError(f"{caller} must be a dict or a JSON file's path, got {type(config).__name__}")
     return copy.deepcopy(config)
 
 

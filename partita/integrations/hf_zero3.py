@@ -34,9 +34,7 @@ at a time. :func:`save_pretrained` writes a ZeRO-3 model in Hugging Face's forma
 
 from __future__ import annotations
 
-import copy
 import importlib.machinery
-import json
 import os
 import sys
 import types
@@ -46,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.integrations.hf_config import read_config
 from partita.integrations.hf_gathered import GatheredParameters, is_engine_managed
 
 __all__ = ["HfZero3", "PartitaHfZero3Config", "active_config", "enable_zero3", "save_pretrained"]
@@ -154,7 +153,7 @@ def enable_zero3(config: dict | str | os.PathLike) -> HfZero3:
     """
     from partita.config import load_config
 
-    cfg = _read(config)
+    cfg = read_config(config, caller="enable_zero3: the config")
     stage = load_config(cfg).zero_optimization.stage
     if stage != 3:
         raise ValueError(
@@ -179,13 +178,6 @@ def active_config() -> dict | None:
     return _ACTIVE[0].config if _ACTIVE else None
 
 
-def _read(config: dict | str | os.PathLike) -> dict:
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
-    if not isinstance(config, dict):
-        raise ValueError(f"enable_zero3: the config must be a dict or a JSON file's path, got {type(config).__name__}")
-    return copy.deepcopy(config)
 
 
 # ---------------------------------------------------------------------------- the alias package
