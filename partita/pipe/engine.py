@@ -10,7 +10,8 @@ One batch, on every rank:
    data iterator (the others read nothing), joined into one batch the schedule splits again;
 2. the torch schedule (:mod:`partita.pipe.schedule`) runs forwards and backwards; gradients
    accumulate in ``param.grad`` (the ZeRO reducer's hooks are not armed), already divided by
-   the number of micro-batches;
+   the number of micro-batches; under ZeRO-3 every layer is gathered per micro-batch forward and
+   backward and freed after ([Note: pipeline stages] in partita/zero/param_gatherer.py);
 3. tied parameters' gradients are summed over their owner stages, then the ZeRO reducer averages
    every gradient over this stage's ZeRO group (data x sequence) once, into the fp32 partitions
    (ZeRO-1: reduce-scatter), exactly what gradient accumulation does for the plain Engine;
@@ -297,10 +298,12 @@ class PipelineEngine(Engine):
             if tied.group is None:
                 continue
             for param in tied.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
+                if param.grad is None:  # not zeros_like: under ZeRO-3 the parameter is freed (its shape stays)
+                    param.grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
                 collectives.all_reduce(param.grad, group=tied.group, purpose=f"tied-layer {tied.key!r} gradient sum")
         reducer.finish_backward()
+        if self.zero.gatherer is not None:
+            self.zero.gatherer.release_all()  # ZeRO-3: finish stray gathers, free what is still whole
 
     def _mean_loss(self, losses: list[torch.Tensor], *, reduce_output: str | None) -> torch.Tensor:
         """On the last stage: the mean (or each) micro-batch loss averaged over data ranks;
@@ -363,8 +366,8 @@ class PipelineEngine(Engine):
 
     def _zero3_consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> dict:
         raise NotImplementedError("_zero3_consolidated_16bit_state_dict of a pipeline engine is not implemented yet "
-                                  "(each stage holds only its layers; pipelines run at ZeRO stages 0-2, where "
-                                  "engine.module.state_dict() is this stage's whole weights)")
+                                  "(each stage holds only its layers): save_checkpoint(dir) saves every stage's "
+                                  "weights, at any ZeRO stage")
 
 
 def _split(outputs: Any, parts: int) -> list[Any]:

@@ -19,6 +19,10 @@ by every use on that stage; across stages, the first owner's weights are broadca
 batch (:meth:`PipelineModule.tied_groups`), DeepSpeed's ``_exec_reduce_tied_grads``.
 State-dict keys keep the global layer index (``"3.weight"``) and ``"tied_modules.<key>.<name>"``
 for tied modules, as DeepSpeed's.
+
+ZeRO-3: :meth:`PipelineModule.zero3_units` gives the gatherer each built layer and one
+:class:`TiedCall` per tied key as units (torch's PipelineStage never runs this module's own
+forward, where the root unit would be gathered).
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class StageChunk(nn.Module):
         self.layer_indices = [i for i, _ in layers]
         self._owner = [owner]  # a list: not registered as a child module (no cycle in modules())
         self._calls: list[Callable[[Any], Any]] = []
+        # ZeRO-3 only (PipelineModule.zero3_units): tied layers called through their TiedCall unit.
+        self._unit_calls: dict[int, Callable[[Any], Any]] = {}
         # Registered here too (the same objects as the PipelineModule's), so a PipelineStage sees
         # exactly this chunk's parameters: the zero-bubble schedules take weight gradients from it.
         self.tied_modules = nn.ModuleDict()
@@ -140,7 +146,7 @@ class StageChunk(nn.Module):
         stage, the layer, what it was given (shapes and dtypes) and where that came from."""
         for k in range(start, stop):
             try:
-                x = self._calls[k](x)
+                x = self._unit_calls.get(k, self._calls[k])(x)
             except Exception as error:
                 _add_note(error, self._failure_note(k, x))
                 raise
@@ -184,6 +190,20 @@ def _add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:
         error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+class TiedCall(nn.Module):
+    """ZeRO-3's unit for one tied module on this rank: every use of the key (the module called
+    directly, or ``forward_fn(module, x)``) goes through this module's call, so the gatherer's
+    forward hooks on it fire and gather the tied parameters even where only a function reads them.
+    Never registered as a submodule (the state dict keeps ``tied_modules.<key>.<name>``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Any, forward_fn: Callable[[nn.Module, Any], Any] | None = None) -> Any:
+        return self.module(x) if forward_fn is None else forward_fn(self.module, x)
 
 
 class PipelineModule(nn.Module):
@@ -304,6 +324,7 @@ class PipelineModule(nn.Module):
                     self.add_module(str(i), layer)
             self.chunks.append(StageChunk(chunk_id, built, self))
         self._tied_groups = self._build_tied_groups()
+        self._tied_calls: dict[str, TiedCall] | None = None  # ZeRO-3's tied units, built by zero3_units()
 
     # ------------------------------------------------------------------ building
     def _build_layer(self, index: int) -> Any:
@@ -399,6 +420,21 @@ class PipelineModule(nn.Module):
                 if isinstance(chunk._calls[k], nn.Module) and current is not None and current is not chunk._calls[k]:
                     chunk._calls[k] = current
                     chunk._modules[str(index)] = current
+
+    def zero3_units(self) -> list[nn.Module]:
+        """ZeRO-3's units for this rank (partita/zero/units.py find_units consults this method):
+        each built layer, and one :class:`TiedCall` per tied key. torch's PipelineStage calls the
+        chunks, never this module's forward, so nothing may be left to the root unit. The first
+        call routes every tied use through its TiedCall; later calls return the same units."""
+        if self._tied_calls is None:
+            self._tied_calls = {key: TiedCall(module) for key, module in self.tied_modules.items()}
+            for chunk in self.chunks:
+                for k, index in enumerate(chunk.layer_indices):
+                    spec = self._layer_specs[index]
+                    if isinstance(spec, TiedLayerSpec):
+                        chunk._unit_calls[k] = partial(self._tied_calls[spec.key], forward_fn=spec.forward_fn)
+        layers = [m for name, m in self._modules.items() if name != "tied_modules" and m is not None]
+        return layers + list(self._tied_calls.values())
 
     # ------------------------------------------------------------------ queries
     def check_topology(self, topology: Any) -> None:

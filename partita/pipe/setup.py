@@ -46,13 +46,12 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
     model.check_topology(topology)  # a DeepSpeed topology given to the module must match the config's mesh
     pipeline = cfg.pipeline
     stage = cfg.zero_optimization.stage
-    if stage >= 3:
-        # ZeRO-3 would gather every layer's parameters per micro-batch forward and backward (or hold
-        # them whole for the batch, which is ZeRO-2's memory): not built for pipelines.
+    if stage >= 3 and pipeline.schedule == "zero_bubble":
+        # The zero-bubble schedule computes weight gradients apart from autograd's backward order
+        # (pt#144530), after the hooks that gather and free a ZeRO-3 unit have run.
         raise ConfigError(
-            f"zero_optimization.stage={stage} with pipeline parallelism is not supported: use zero_optimization.stage "
-            "2 (optimizer states, fp32 masters and gradient partitions sharded inside each stage's data-parallel "
-            "group) or 1; the pipeline already splits the parameters across stages"
+            f"zero_optimization.stage={stage} with pipeline.schedule=\"zero_bubble\" is not supported: use "
+            "pipeline.schedule \"interleaved_1f1b\" (or \"1f1b\", \"gpipe\") with ZeRO-3, or zero_optimization.stage 2"
         )
     if topology.sequence_size > 1:
         _check_sequence_attention(model, cfg, topology)
@@ -66,6 +65,9 @@ def prepare_pipeline(model: Any, cfg: Any, topology: Topology) -> None:
                                   "one forward and backward, a pipeline runs many per batch): disable it")
     if cfg.zero_optimization.offload_optimizer.enabled:
         raise NotImplementedError("offload_optimizer with pipeline parallelism is not implemented yet; remove it")
+    if cfg.zero_optimization.offload_param.enabled:
+        raise NotImplementedError("offload_param with pipeline parallelism is not implemented yet; remove it (ZeRO-3 "
+                                  "keeps each stage's parameter shards on its device)")
     if cfg.precision != "fp32" and cfg.data_types.grad_accum_dtype == "fp32":
         raise NotImplementedError(
             "data_types.grad_accum_dtype=\"fp32\" with bf16/fp16 pipelines is not implemented yet: gradients accumulate "

@@ -38,6 +38,14 @@ def find_units(model: nn.Module) -> list[nn.Module]:
     leaf_types = getattr(model, _LEAF_TYPES_ATTR, ())
     units: list[nn.Module] = [model]
     seen = {id(model)}
+    # A model whose forward never runs as a whole (a pipeline stage, partita/pipe/module.py: torch's
+    # PipelineStage calls its chunks) names its units itself; units inside those are found below.
+    own = getattr(model, "zero3_units", None)
+    if callable(own):
+        for unit in own():
+            if id(unit) not in seen and any(True for _ in unit.parameters()):
+                units.append(unit)
+                seen.add(id(unit))
     for module in model.modules():
         candidates: list[nn.Module] = []
         if isinstance(module, nn.ModuleList):
