@@ -1,6 +1,6 @@
 """Pipelines composed with the rest of partita, against single-process torch (fp32 within 1e-5):
 
-- ZeRO-2 inside each stage's data-parallel group (pipe 2 x data 2), ZeRO-3 refused;
+- ZeRO-2 inside each stage's data-parallel group (pipe 2 x data 2); ZeRO-3 has its own file, tests/test_pipe_zero3.py;
 - tensor parallelism inside each stage (pipe 2 x tensor 2, pipe 2 x tensor 2 x data 2), the
   blocks' MLPs split by ``tensor_parallel.partition_config.layer_specs``;
 - fp16 (an overflow on one stage skips the step on every stage) and bf16; the clipping norm
