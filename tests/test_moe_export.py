@@ -12,20 +12,8 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.test_moe_checkpoint import E, MICRO, _config  # the same model, batch and ZeRO settings
 from tests.test_moe_reference import MoENet, make_data
-
-E = 4
-MICRO = 2
-
-
-def _config(world: int, stage: int) -> dict:
-    return {
-        "train_batch_size": MICRO * world,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 150,
-                              "stage3_param_persistence_threshold": 10},
-        "steps_per_print": 1000,
-    }
 
 
 def _local_by_global_name(model) -> dict[str, torch.Tensor]:

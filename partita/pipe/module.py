@@ -425,7 +425,13 @@ class PipelineModule(nn.Module):
         """ZeRO-3's units for this rank (partita/zero/units.py find_units consults this method):
         each built layer, and one :class:`TiedCall` per tied key. torch's PipelineStage calls the
         chunks, never this module's forward, so nothing may be left to the root unit. The first
-        call routes every tied use through its TiedCall; later calls return the same units."""
+        call routes every tied use through its TiedCall; later calls return the same units.
+
+        [Note: pipeline stages] With no root forward bracketing a step and micro-batches
+        interleaved (1F1B), the gatherer turns its trace off for such a model (no prefetch, no
+        reuse): each unit is gathered on demand for every micro-batch's forward and backward, each
+        backward gather after the rank-agreement check. The ranks of a stage's ZeRO group run the
+        same schedule, so they gather the same units in the same order."""
         if self._tied_calls is None:
             self._tied_calls = {key: TiedCall(module) for key, module in self.tied_modules.items()}
             for chunk in self.chunks:

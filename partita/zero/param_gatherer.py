@@ -192,14 +192,8 @@ class ParameterGatherer:
                 device=self._device,
                 unit_names=names,
             )
-        if callable(getattr(model, "zero3_units", None)):
-            # [Note: pipeline stages] torch's PipelineStage calls a stage's units directly and runs
-            # many micro-batch forwards and backwards interleaved (1F1B), so the root forward that
-            # brackets a step (the trace, prefetch, reuse, the end-of-forward check) never runs.
-            # Every unit is gathered on demand instead (outside a root forward, _pre_forward), each
-            # backward gather preceded by the rank-agreement check; the ranks of a stage's ZeRO
-            # group run the same schedule, so they gather the same units in the same order.
-            self.trace.state = TraceState.DISABLED
+        if callable(getattr(model, "zero3_units", None)):  # a pipeline stage: no root forward brackets a
+            self.trace.state = TraceState.DISABLED  # step, units are gathered on demand (partita/pipe/module.py)
         self._hooks = []
         for unit, params in self._unit_params.items():
             if params or unit is model:  # the root's hooks also mark where a forward starts
