@@ -35,6 +35,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch  # noqa: E402
 
 from tests.harness import run_distributed  # noqa: E402
+from tests.test_hf_models import _build  # noqa: E402,F401 - the same tiny GPT-2 / Llama (VOCAB 96, SEQ 16)
 
 FAMILIES = ("gpt2", "llama")
 VOCAB, SEQ, LR, EPS = 96, 16, 5e-3, 1e-6
@@ -54,19 +55,6 @@ CONFIG = {
 
 def _config(world: int) -> dict:
     return {**CONFIG, "train_micro_batch_size_per_gpu": 2 // world}
-
-
-def _build(family: str) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    if family == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=SEQ,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                          eos_token_id=0))
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                        hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-                                        pad_token_id=None))
 
 
 def _batch() -> torch.Tensor:

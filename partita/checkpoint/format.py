@@ -60,6 +60,16 @@ import re
 FORMAT_NAME = "partita-checkpoint"
 FORMAT_VERSION = 2
 
+
+def meta_header(tag: str) -> dict:
+    """The first keys of every meta.json: format, version, tag and the versions that wrote it."""
+    import torch
+
+    import partita
+
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tag": tag,
+            "partita_version": partita.__version__, "torch_version": torch.__version__}
+
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.json"

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-import partita
 from partita.checkpoint import format as fmt
 from partita.checkpoint.errors import CheckpointError
 from partita.checkpoint.import_deepspeed_read import (DeepSpeedFiles, DeepSpeedImportError, find_files, resolve_tag_dir,
@@ -383,11 +382,7 @@ def _plan(model_states: dict[str, Any], config: dict[str, Any], groups: list[Imp
     precision = str(module[trained].dtype if trained else torch.float32).replace("torch.", "")
     scheduler = model_states.get("lr_scheduler")
     meta = {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "tag": tag,
-        "partita_version": partita.__version__,
-        "torch_version": torch.__version__,
+        **fmt.meta_header(tag),
         "world_size": 1,
         "data_parallel_size": 1,
         "tensor_parallel_size": 1,

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-import partita
 from partita.checkpoint import format as fmt
 from partita.checkpoint.jsoncodec import encode
 from partita.checkpoint.rng import capture_rng, rng_metadata
@@ -273,11 +272,7 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
     model_state = {k: v for k, v in unique.items() if k not in sharded}
     model_plan = FilePlan(model_file, [TensorEntry.of(k, _own(v, copy)) for k, v in model_state.items()])
     meta = {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "tag": tag,
-        "partita_version": partita.__version__,
-        "torch_version": torch.__version__,
+        **fmt.meta_header(tag),
         "world_size": dist.get_world_size(),
         # Ranks that read different samples (the batch arithmetic's), not ZeRO's data x sequence:
         # sequence ranks read the same samples, so resuming an SP run must not see a changed batch.
