@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partita.models.kv_cache import LayerKVCache, StaticKVCache
+
 
 @dataclass
 class GPTConfig:
@@ -122,7 +124,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: LayerKVCache | None = None,
+                cache_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv_cache`` (generation, see partita/models/kv_cache.py): with ``cache_positions``
+        None the input is a prompt at positions 0..T-1 (a prefill), else the tokens sit at those
+        positions and attend over the cached ones."""
         # Shapes come from qkv's output, not from x or n_head: tensor parallelism gives each rank
         # whole heads (a column shard of q, k and v), and sequence parallelism feeds x as a
         # sequence shard that qkv gathers; the code below is the same for all of them.
@@ -131,7 +137,14 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim): SDPA attends over the last two dims.
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v)
+        if kv_cache is None:
+            y = self.attend(q, k, v)
+        else:
+            dropout_p = self.dropout if self.training else 0.0
+            if cache_positions is None:
+                y = kv_cache.prefill(q, k, v, dropout_p=dropout_p)
+            else:
+                y = kv_cache.extend(q, k, v, cache_positions, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(batch, seq, -1)
         return self.resid_dropout(self.proj(y))
 
@@ -179,8 +192,15 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv_cache: LayerKVCache | None = None,
+                cache_positions: torch.Tensor | None = None) -> torch.Tensor:
+        # The cache is an argument of the block's forward (not state set on the attention) so that
+        # whatever wraps a block (ZeRO-3's gather hooks, activation checkpointing) sees one call per
+        # block and token, as in training.
+        if kv_cache is None:
+            x = x + self.attn(self.ln_1(x))
+        else:
+            x = x + self.attn(self.ln_1(x), kv_cache, cache_positions)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -198,7 +218,8 @@ class LanguageModelLoss(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: ``forward(idx, targets=None) -> (logits, loss)``."""
+    """Decoder-only transformer: ``forward(idx, targets=None) -> (logits, loss)``, and
+    ``generate(idx, max_new_tokens)`` over a static KV cache (``decode_step`` is its compilable step)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -242,14 +263,22 @@ class GPT(nn.Module):
         self.apply(init)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
+        kv_cache: StaticKVCache | None = None, logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return logits of shape (B, T, vocab_size) and the mean cross-entropy against
         ``targets`` (fp32 scalar), or ``None`` when no targets are given. With
         ``config.loss_tile_tokens`` and targets, the logits are ``None`` (never built).
 
         ``position_ids`` (T,): the tokens' positions in their sequence, default ``0..T-1``; a
-        sequence-parallel rank holds a slice of each sequence at other positions."""
+        sequence-parallel rank holds a slice of each sequence at other positions.
+
+        Generation (:meth:`generate`): ``kv_cache`` (:meth:`new_kv_cache`) without
+        ``position_ids`` is a prefill (the prompt at 0..T-1, its keys and values cached); with
+        ``position_ids`` the tokens attend over the cache up to their positions (a decode step).
+        ``logits_to_keep`` > 0 computes the logits of the last that many positions only (a
+        prefill needs the last one), as in Hugging Face's forward. Under tensor parallelism the
+        logits' last dimension is this rank's vocabulary shard."""
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
         seq = idx.size(1)
@@ -260,8 +289,22 @@ class GPT(nn.Module):
             )
         pos = torch.arange(seq, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        if kv_cache is None:
+            for block in self.blocks:
+                x = block(x)
+        else:
+            if targets is not None or len(kv_cache) != len(self.blocks):
+                raise ValueError(
+                    f"kv_cache: a cache of {len(kv_cache)} layers for {len(self.blocks)} blocks, targets "
+                    f"{'given' if targets is not None else 'None'}; the cache serves generation only (no targets): "
+                    f"build it with GPT.new_kv_cache(max_len)"
+                )
+            for block, layer in zip(self.blocks, kv_cache.layers):
+                x = block(x, kv_cache=layer, cache_positions=position_ids)
+        if logits_to_keep:
+            if targets is not None:
+                raise ValueError("logits_to_keep needs targets=None: the loss is computed over every position")
+            x = x[:, -logits_to_keep:]
         tile = self.config.loss_tile_tokens
         if targets is not None and tile is not None:
             # Tiled loss: the (T, vocab) logits are never built, so there are none to return.
@@ -287,6 +330,37 @@ class GPT(nn.Module):
                 "set loss_tile_tokens to None or tensor_parallel.vocab_parallel_lm_head to false"
             )
         return from_hidden(hidden, self.lm_head.weight, targets, tile)
+
+    # ------------------------------------------------------------------ generation
+    def new_kv_cache(self, max_len: int) -> StaticKVCache:
+        """An empty static KV cache of ``max_len`` slots per sequence (buffers allocated at the
+        prefill, with the batch, heads, dtype and device the model computes)."""
+        if max_len > self.config.block_size:
+            raise ValueError(
+                f"KV cache max_len {max_len} exceeds block_size {self.config.block_size} (the position embedding "
+                f"has block_size rows); use max_len <= {self.config.block_size}"
+            )
+        return StaticKVCache(len(self.blocks), max_len)
+
+    def decode_step(self, token: torch.Tensor, position: torch.Tensor, kv_cache: StaticKVCache) -> torch.Tensor:
+        """Logits (B, vocab or this rank's vocabulary shard) for ``token`` (B, 1) at ``position``
+        (a (1,) long tensor) after the tokens cached before it, its keys and values cached.
+
+        Shapes depend on the batch and the cache's max_len only, never on the position: compile
+        it once (``torch.compile(model.decode_step, mode="reduce-overhead")``) and replay it for
+        every token. It runs through the model's ``__call__`` so module hooks (ZeRO-3's gathers)
+        fire as in a forward."""
+        logits, _ = self(token, position_ids=position, kv_cache=kv_cache)
+        return logits[:, -1]
+
+    def generate(self, idx: torch.Tensor | None = None, max_new_tokens: int | None = None, **options) -> torch.Tensor:
+        """Continue the prompts ``idx`` (B, T) by ``max_new_tokens`` tokens; returns (B, T + new),
+        fewer new tokens when ``eos_token_id`` ended every row. Greedy (argmax) unless
+        ``do_sample``; keyword options and the Hugging Face calling shape (``input_ids=``,
+        ``attention_mask=``) are described in :func:`partita.models.gpt_generate.generate`."""
+        from partita.models.gpt_generate import generate
+
+        return generate(self, idx, max_new_tokens, **options)
 
     def set_sequence_tiling(self, *, loss_tile_tokens: int | None, mlp_tile_tokens: int | None) -> None:
         """Set (or, with None, turn off) the tiled loss and the tiled dense MLPs after construction:
