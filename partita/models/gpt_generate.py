@@ -153,9 +153,9 @@ def check_generation_supported(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if getattr(module, "sequence_parallel", False) is True and hasattr(module, "tensor_size"):
             raise NotImplementedError(
-                f"generate with tensor_parallel.sequence_parallel ({name or type(model).__name__} runs on sequence "
-                "shards) is not supported: sequence parallelism splits every sequence across the tensor ranks, and "
-                "a decode step has one token; build the model for generation with sequence_parallel false (same weights)"
+                f"generate with tensor_parallel.sequence_parallel is not supported ({name or type(model).__name__} runs "
+                "on sequence shards): sequence parallelism splits every sequence across the tensor ranks, and a decode "
+                "step has one token; build the model for generation with sequence_parallel false (same weights)"
             )
         attend = vars(module).get("attend")
         # Tensor parallelism wraps attend for its dropout stream (functools.wraps: __wrapped__ is the
