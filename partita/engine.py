@@ -91,6 +91,14 @@ class Engine:
             from partita.zero.external import check_external_parameters
 
             check_external_parameters(module, zero.gatherer)  # zero.register_external_parameter uses ZeRO-3 cannot honour
+        from partita.zero.generation import GenerationSessions, install_generate
+
+        # engine.generate and engine.module.generate run in generation sessions (partita/zero/generation.py):
+        # at ZeRO-3 the model is gathered once per call (or streamed with prefetch), not once per token.
+        self._generation = GenerationSessions(
+            module=module, zero=zero, topology=topology,
+            mode=config.zero_optimization.stage3_generation if config is not None else "auto")
+        self._generate_wrapper = install_generate(module, self._generation)
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails; forward to the module like DeepSpeed.
@@ -158,12 +166,39 @@ class Engine:
         (``dist.destroy_process_group()`` is the caller's, as in DeepSpeed)."""
         from partita.checkpoint.save import wait_for_pending_save
 
+        from partita.zero.generation import uninstall_generate
+
+        uninstall_generate(self.module, self._generate_wrapper)  # module.generate is the class's again
         self.optimizer.close()
         wait_for_pending_save()
         if self.zero.gatherer is not None:
             self.zero.gatherer.close()
         self.log_summary()  # the end of training: no collective, so ranks need not be in step
         self._step_log.close()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``generate`` (Hugging Face's GenerationMixin, the reference GPT's) in a generation
+        session: at ZeRO-3 the model is gathered once for the call and held, or streamed unit by unit with
+        prefetch when it does not fit (config ``zero_optimization.stage3_generation``); under no_grad.
+        Every rank must call it. See docs/guides/zero3-generation.md."""
+        generate = getattr(type(self.module), "generate", None)
+        if not callable(generate) and not callable(self.module.__dict__.get("generate")):
+            raise AttributeError(
+                f"engine.generate: the model ({type(self.module).__name__}) has no generate() method; call "
+                "engine(...) for forwards, or give the model a generate (Hugging Face models and the reference "
+                "GPT have one)"
+            )
+        plain = self.module.__dict__.get("generate")
+        if plain is self._generate_wrapper and plain is not None:
+            return plain(*args, **kwargs)  # the wrapper opens the session
+        target = plain if callable(plain) else generate.__get__(self.module)
+        return self._generation.run(target, args, kwargs)
+
+    @property
+    def generation_mode(self) -> str | None:
+        """How the last ZeRO-3 generate call got its weights: "gather_once", "stream" (None: none yet, or
+        stages 0-2)."""
+        return self._generation.last_mode
 
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)

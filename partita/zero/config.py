@@ -115,6 +115,18 @@ class ZeroConfig(StrictSection):
         ),
     )
 
+    stage3_generation: Literal["auto", "gather_once", "stream"] = Field(
+        "auto",
+        description=(
+            "partita-only. ZeRO-3: how engine.generate / engine.module.generate get the weights. "
+            "\"gather_once\": every unit is gathered once per generate call and held whole until it returns "
+            "(no collective per token; ranks may generate different lengths; costs the whole model's bytes "
+            "for the call). \"stream\": units are gathered per forward with the next ones prefetched (memory "
+            "of a few units; every rank runs every forward: Hugging Face models get synced_gpus=True at world "
+            "size > 1). \"auto\": gather_once when the model plus a KV-cache and activation reserve fits in "
+            "every rank's free memory, else stream. See docs/guides/zero3-generation.md."
+        ),
+    )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False,
         description=(

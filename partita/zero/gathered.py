@@ -47,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from partita.distributed import collectives
 from partita.tensor_parallel.layers import gather_whole, is_tensor_replicated, tensor_shard_of
 from partita.tensor_parallel.shard_ranges import local_slice
+from partita.zero.holds import HeldParameters
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
 # The values are weak too: a ZeroState holds its parameters (through its groups), so a strong
@@ -89,15 +90,17 @@ class GatheredParameters:
         self._tensor_params = [p for p in params if tensor_shard_of(p) is not None] if enabled else []
         self._whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (copy, value on entry)
         self._modifier_rank = modifier_rank
-        # Parameters already whole on entry (an enclosing block, or a unit between its training
-        # forward and backward): the block leaves them whole on exit, their users still need them.
-        self._were_whole: set[int] = set()
+        # One hold per ZeRO-3 owner (partita/zero/holds.py): the units' hooks do not free what the
+        # block gathered (TRL's ``with GatheredParameters(model.parameters()): model.generate()`` would
+        # otherwise gather every unit again for every token); parameters already whole on entry (an
+        # enclosing block, a generation session, a unit between its training forward and backward)
+        # stay whole on exit, their users still need them.
+        self._holds: list = []
 
     def __enter__(self) -> GatheredParameters:
         for zero, params in self._by_owner():
             if zero.gatherer is not None:
-                self._were_whole.update(id(p) for p in params if zero.gatherer.is_gathered(p))
-                zero.gatherer.gather(params)
+                self._holds.append(HeldParameters(zero.gatherer, params).start())
             elif zero.one_rank_weights is not None:
                 # One process, stages 0-2: a block's weights freed between its forward and backward
                 # come back (bitwise the values kept, see one_rank_weights.py) and stay whole.
@@ -134,10 +137,9 @@ class GatheredParameters:
 
     def _release(self) -> None:
         self._whole.clear()
-        for zero, params in self._by_owner():
-            if zero.gatherer is not None:
-                zero.gatherer.release([p for p in params if id(p) not in self._were_whole])
-        self._were_whole.clear()
+        for hold in self._holds:
+            hold.end()
+        self._holds = []
 
     def _by_owner(self) -> Iterator[tuple[object, list[nn.Parameter]]]:
         groups: dict[int, tuple[object, list[nn.Parameter]]] = {}

@@ -37,22 +37,7 @@ kept ~0.9 G elements, 1.8 GiB, there). Reuse inside the forward (a block called 
 before. A unit's backward always ends with its gradient hooks (frozen parameters: the hook on its
 inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer step, with new values.
 
-[Note: rank divergence]
-Every gather is a collective, so all ranks must run the same units in the same order. To fail
-loudly instead of hanging (or silently swapping same-sized parameters) when they do not,
-ranks meet at points every rank reaches and compare what they did (``unit_sync``):
-- every training forward ends with one all-gather of four integers per rank (the only cost
-  once the trace is ready: one tiny collective and a host read per micro-batch);
-- while the trace is not ready (the first step, or after the unit order changed), each
-  on-demand parameter all-gather is preceded by such a check as well;
-- once the trace is ready, a rank whose forward leaves it (a start or end event that differs
-  from the first step's) knows which collectives the ranks still on the trace issue until
-  the end of their forward: it issues the same ones (``_replay``), then takes part in the
-  end-of-forward check with what it saw. If every rank left the trace at the same event with
-  the same unit, the order changed everywhere: the trace is disabled and the forward goes on
-  with checked on-demand gathers. Otherwise every rank raises ``RankDivergenceError``.
-A difference that shows only in the backward (same forward units on every rank, but a unit's
-output feeding the loss on one rank only) is not detected: it still waits for the timeout.
+[Note: rank divergence]: partita/zero/unit_sync.py. [Note: holds] (whole until a hold ends): holds.py.
 
 [Note: where shards live]
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
@@ -77,8 +62,10 @@ from partita.distributed import collectives
 from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
 from partita.utils.weak_hooks import register_weak_grad_hook
+from partita.zero.eval_prefetch import EvalPrefetch
 from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
+from partita.zero.holds import Holds
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
@@ -136,6 +123,8 @@ class ParameterGatherer:
         self._in_flight_of: dict[nn.Parameter, int] = {}
         self._tickets = itertools.count()
         self.trace = UnitTrace()
+        self.holds = Holds()  # parameters kept whole past their units' hooks (partita/zero/holds.py)
+        self.eval_prefetch = EvalPrefetch(self)  # eval forwards' unit order (partita/zero/eval_prefetch.py)
         self.prefetch_count = 0  # all-gathers started ahead of need (observability and tests)
         self._process_group = process_group
         self._world_size = world_size
@@ -261,12 +250,14 @@ class ParameterGatherer:
                 self._begin_forward()
             else:
                 self._in_forward = False  # a forward that raised midway left it set
+            self.eval_prefetch.begin(active=not training)
         if self._in_forward:
             self._forward_event(unit, end=False)
         elif training and in_backward_pass():
             self._before_backward(unit)  # recomputation under activation checkpointing
         else:
             self.gather_unit(unit)  # eval, no_grad, or a unit called outside the model's forward
+            self.eval_prefetch.unit_started(unit)
 
     def _hook_inputs(self, unit: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         """A unit with frozen parameters (no gradient hook frees them): freed once its inputs'
@@ -294,6 +285,8 @@ class ParameterGatherer:
             pass  # recomputation: this unit's backward runs next, its gradient hooks free it
         elif not torch.is_grad_enabled() or unit is not self._root:
             self.release_unit(unit)  # the root stays gathered until its gradients are produced
+        if unit is self._root and not in_backward_pass():
+            self.eval_prefetch.end()  # an eval forward: unused prefetches land and are freed
         if not torch.is_grad_enabled():
             return output  # no backward will follow (eval, no_grad)
         wrapped = through_function(GatherBeforeBackward, self, unit, output)  # a ModelOutput stays one
@@ -482,7 +475,7 @@ class ParameterGatherer:
             self._in_flight_of[param] = ticket
         return ticket
 
-    def _finish_gather(self, ticket: int) -> None:
+    def _finish_gather(self, ticket: int) -> list[nn.Parameter]:
         flight = self._in_flight.pop(ticket)
         collectives.wait(flight.work, purpose="ZeRO-3 parameter all-gather")
         self.storage.arrived(flight.ready, flight.gathered)
@@ -491,13 +484,12 @@ class ParameterGatherer:
             allocate_param(param)
             unpack_from_columns(flight.gathered, col, self._spec(param), param)
             self._transition(param, ParamState.GATHERING, ParamState.GATHERED)
+        return flight.params
 
     def _transition(self, param: nn.Parameter, expected: ParamState, new: ParamState) -> None:
         state = self._state.get(param)
         if state is not expected:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             raise RuntimeError(
                 f"partita rank {rank}: ZeRO-3 parameter of shape {tuple(param.shape)} is {state}, "
                 f"expected {expected} before becoming {new} (internal invariant broken)"
@@ -511,7 +503,7 @@ class ParameterGatherer:
 
     def release(self, params: Iterable[nn.Parameter]) -> None:
         for param in params:
-            if self._state.get(param) is ParamState.GATHERED:
+            if self._state.get(param) is ParamState.GATHERED and param not in self.holds:
                 self._free(param)
                 self._transition(param, ParamState.GATHERED, ParamState.SHARDED)
 
@@ -523,6 +515,14 @@ class ParameterGatherer:
         self.release(list(self._state))
         if self.trace.state is TraceState.RECORDING and self.trace.sequences[Phase.BACKWARD]:
             self.trace.finish_recording(self._ranks_agree, self._unit_index, self._unit_numel, self._root)
+
+    def finish_prefetches(self) -> None:
+        """Land every gather still in flight (every rank issued it) and free what it gathered."""
+        for ticket in sorted(self._in_flight):
+            self.release(self._finish_gather(ticket))
+
+    def unit_params(self) -> dict[nn.Module, list[nn.Parameter]]:  # outermost first, the same on every rank
+        return {unit: list(params) for unit, params in self._unit_params.items()}
 
     def _unit_numel(self, unit: nn.Module) -> int:
         return sum(self._numel[p] for p in self._unit_params[unit])

@@ -4,7 +4,7 @@ Every ZeRO-3 parameter gather is a collective, so every rank must run the same u
 same order. When ranks take different branches (``if rank == 0: self.extra(x)``, per-rank
 routing between blocks), their all-gathers pair up wrongly: same-sized ones silently swap
 parameters, the rest wait until the collective timeout. The gatherer instead meets the other
-ranks at points every rank reaches (see ``param_gatherer`` [Note: rank divergence]) and
+ranks at points every rank reaches (see [Note: rank divergence] below) and
 exchanges one row of four integers per rank through :meth:`UnitSync.exchange`; if the rows
 differ, every rank raises :class:`RankDivergenceError` naming what each rank ran.
 
@@ -14,6 +14,23 @@ Rows (``kind``, a, b, c):
   ready (the ranks followed it), 0 otherwise;
 - ``DEVIATED``: the forward left the first step's trace at event a: it ran event code b where
   the trace has code c (code = 2 * unit index + 1 for an end, + 0 for a start; -1: none).
+
+[Note: rank divergence]
+Every gather is a collective, so all ranks must run the same units in the same order. To fail
+loudly instead of hanging (or silently swapping same-sized parameters) when they do not,
+ranks meet at points every rank reaches and compare what they did (``unit_sync``):
+- every training forward ends with one all-gather of four integers per rank (the only cost
+  once the trace is ready: one tiny collective and a host read per micro-batch);
+- while the trace is not ready (the first step, or after the unit order changed), each
+  on-demand parameter all-gather is preceded by such a check as well;
+- once the trace is ready, a rank whose forward leaves it (a start or end event that differs
+  from the first step's) knows which collectives the ranks still on the trace issue until
+  the end of their forward: it issues the same ones (``_replay``), then takes part in the
+  end-of-forward check with what it saw. If every rank left the trace at the same event with
+  the same unit, the order changed everywhere: the trace is disabled and the forward goes on
+  with checked on-demand gathers. Otherwise every rank raises ``RankDivergenceError``.
+A difference that shows only in the backward (same forward units on every rank, but a unit's
+output feeding the loss on one rank only) is not detected: it still waits for the timeout.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The trace serves three purposes once every rank has recorded the same one:
   backward comes right after), instead of being freed and gathered again;
 - divergence detection: a rank whose training forward leaves the trace knows exactly which
   collectives the ranks still on the trace will issue, so it can issue them too and meet
-  the others at the end of the forward (see ``param_gatherer`` [Note: rank divergence]).
+  the others at the end of the forward (see ``unit_sync`` [Note: rank divergence]).
 
 [Note: events]
 The first training forward is recorded as *events*: each unit's forward start and end, in

@@ -1,0 +1,256 @@
+"""Generation sessions: ``generate`` from a training engine at every ZeRO stage.
+
+[Note: generating under ZeRO-3]
+Decoding runs one forward per token. Left to the unit hooks, ZeRO-3 gathers every unit before
+each of those forwards and frees it after (one collective per unit per token), and because
+every gather is a collective, all ranks must run the same number of forwards. A *generation
+session* brackets one ``generate`` call (``engine.generate(...)`` or ``engine.module.generate(...)``)
+and picks one of two ways:
+
+- ``gather_once``: every unit is gathered once at the start (one all-gather per unit, in the
+  same order on every rank) and held (partita/zero/holds.py) until the call returns. The forwards
+  in between run no collective at all: ranks may generate different numbers of tokens (different
+  prompts, EOS at different steps) without waiting for each other. Costs the whole model's
+  bytes, on top of the shards, for the duration of the call.
+- ``stream``: units are gathered per forward as in any eval forward, with the next units'
+  gathers (and host-to-device copies of offloaded shards) started while the current one runs
+  (partita/zero/eval_prefetch.py). Costs only ``stage3_prefetch_bucket_size`` elements of extra
+  memory, but every rank must run every forward: at world size > 1 a Hugging Face model's
+  ``generate`` gets ``synced_gpus=True`` unless the caller set it.
+
+``zero_optimization.stage3_generation`` picks: "gather_once", "stream", or "auto" (the default):
+gather once when the bytes still to gather, plus a reserve for the KV cache and activations,
+fit in this rank's free memory (the accelerator's free bytes, ``torch.cuda.mem_get_info`` plus
+what torch's allocator caches unused; on a CPU run the host's MemAvailable split between the
+node's ranks), on *every* rank (one small all-reduce per call, so all ranks choose alike).
+The reserve is the KV cache the call can grow to, computed from the model's config when it has
+one (layers x 2 x batch x (prompt + new tokens) x kv heads x head dim x element size), plus a
+margin of 10% of the model's gathered bytes and at least 256 MiB for activations and logits.
+The choice is logged on rank 0 when it changes ("ZeRO-3 generate: gathered once (X GiB)" or
+"ZeRO-3 generate: streaming ...").
+
+Stages 0-2 and tensor parallelism need no session of their own: the weights (or this rank's
+tensor shard of them) are whole already; ``generate`` runs the module's as it is. The session
+still runs generation under ``torch.no_grad()`` (a training forward with autograd would take the
+training paths: per-forward rank checks, gradient hooks) and, with tensor parallelism at world
+size > 1, passes ``synced_gpus=True`` to Hugging Face models (every forward's tensor-parallel
+all-reduces need every rank of the tensor group).
+
+[Note: the module's generate attribute]
+``engine.module.generate(...)`` is the call TRL, OpenRLHF and most RLHF loops make. A method of
+the model's class cannot be overridden for one model without changing its class (which breaks
+pickling of the model and ``isinstance`` checks by exact type), so the engine sets one
+*instance* attribute, ``module.generate``, to a :class:`SessionGenerate`: it runs the class's
+own ``generate`` inside a session. It is no parameter, buffer or submodule, so ``state_dict`` is
+unchanged; pickled or deep-copied, it comes back as a plain pass-through to the class's
+``generate`` (it holds its engine only by weak reference and pickles without it); and
+``engine.destroy()`` removes it (restoring an instance attribute that was there before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from partita.distributed import collectives
+from partita.offload.capacity import host_available_bytes, local_ranks
+from partita.zero.holds import HeldParameters
+
+logger = logging.getLogger("partita")
+
+GIB = 2**30
+_MIN_RESERVE = 256 * 2**20
+GATHER_ONCE, STREAM = "gather_once", "stream"
+
+__all__ = ["GATHER_ONCE", "STREAM", "GenerationSessions", "SessionGenerate", "install_generate", "uninstall_generate"]
+
+
+class GenerationSessions:
+    """One engine's generation sessions (see [Note: generating under ZeRO-3])."""
+
+    def __init__(self, *, module: nn.Module, zero, topology, mode: str = "auto") -> None:
+        self._module = module
+        self._zero = zero
+        self._topology = topology
+        self._mode = mode
+        self._depth = 0  # engine.generate calls the wrapped module.generate: one session, not two
+        self.last_mode: str | None = None  # what the last ZeRO-3 session did (tests, observability)
+        self._logged: tuple | None = None
+
+    def run(self, generate: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``generate(*args, **kwargs)`` inside a session (every rank calls it)."""
+        if self._depth:
+            return generate(*args, **kwargs)
+        self._depth += 1
+        try:
+            with torch.no_grad(), self._session(args, kwargs) as kwargs:
+                return generate(*args, **kwargs)
+        finally:
+            self._depth -= 1
+
+    @contextlib.contextmanager
+    def _session(self, args: tuple, kwargs: dict) -> Iterator[dict]:
+        gatherer = self._zero.gatherer
+        world = self._topology.world_size
+        hf = _is_hf_generator(self._module)
+        if gatherer is None:
+            if hf and world > 1 and self._topology.tensor_size > 1:
+                kwargs = {"synced_gpus": True, **kwargs}
+            yield kwargs
+            return
+        mode = self._choose(gatherer, args, kwargs)
+        self.last_mode = mode
+        if mode == STREAM:
+            if hf and world > 1:
+                kwargs = {"synced_gpus": True, **kwargs}
+            yield kwargs
+            return
+        units = [params for params in gatherer.unit_params().values() if params]
+        hold = HeldParameters(gatherer, [p for params in units for p in params])
+        hold.start(chunks=units)  # one all-gather per unit: a unit's transient buffer, not the model's
+        try:
+            if hf and self._topology.tensor_size == 1:
+                kwargs = {"synced_gpus": False, **kwargs}  # no collective per token: ranks may finish apart
+            yield kwargs
+        finally:
+            hold.end()
+
+    def _choose(self, gatherer, args: tuple, kwargs: dict) -> str:
+        missing = _bytes_to_gather(gatherer)
+        if self._mode != "auto":
+            self._log(self._mode, missing, None, None, forced=True)
+            return self._mode
+        device = gatherer.storage.device
+        free = _free_bytes(device)
+        reserve = _reserve_bytes(self._module, args, kwargs, missing)
+        fits = torch.tensor([1.0 if missing + reserve <= free else 0.0], device=device)
+        if self._topology.world_size > 1:  # every rank must choose the same way (gathers are collectives)
+            collectives.all_reduce(fits, group=None, op=torch.distributed.ReduceOp.MIN,
+                                   purpose="ZeRO-3 generate: gather once or stream")
+        mode = GATHER_ONCE if fits.item() > 0 else STREAM
+        self._log(mode, missing, free, reserve, forced=False)
+        return mode
+
+    def _log(self, mode: str, missing: int, free: int | None, reserve: int | None, *, forced: bool) -> None:
+        key = (mode, forced)
+        if key == self._logged or self._topology.rank != 0:
+            return
+        self._logged = key
+        why = ("zero_optimization.stage3_generation" if forced else
+               f"{free / GIB:.2f} GiB free, {reserve / GIB:.2f} GiB reserved for KV cache and activations")
+        if mode == GATHER_ONCE:
+            logger.info("ZeRO-3 generate: gathered once (%.3f GiB) and held for the whole call (%s)", missing / GIB, why)
+        else:
+            logger.info("ZeRO-3 generate: streaming unit by unit with prefetch (the whole model, %.3f GiB, is not "
+                        "gathered: %s)", missing / GIB, why)
+
+
+def _bytes_to_gather(gatherer) -> int:
+    """Bytes of the sharded parameters not whole now (a gather makes them whole)."""
+    total = 0
+    for params in gatherer.unit_params().values():
+        for param in params:
+            if not gatherer.is_gathered(param):
+                total += param.numel() * param.element_size()
+    return total
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return host_available_bytes() // local_ranks()  # a CPU run: host memory is the device's
+
+
+def _reserve_bytes(module: nn.Module, args: tuple, kwargs: dict, model_bytes: int) -> int:
+    """KV cache the call can grow to (from the model's config, when it has one) plus a margin."""
+    margin = max(_MIN_RESERVE, model_bytes // 10)
+    config = getattr(module, "config", None)
+    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    if config is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return margin
+    layers = _first_int(config, "num_hidden_layers", "n_layer")
+    heads = _first_int(config, "num_attention_heads", "n_head")
+    kv_heads = _first_int(config, "num_key_value_heads") or heads
+    hidden = _first_int(config, "hidden_size", "n_embd")
+    head_dim = _first_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    if not (layers and kv_heads and head_dim):
+        return margin
+    generation = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    new = kwargs.get("max_new_tokens") or getattr(generation, "max_new_tokens", None)
+    length = ids.shape[1] + new if new else kwargs.get("max_length") or getattr(generation, "max_length", 0) or 0
+    length = max(length, ids.shape[1])
+    element = next(module.parameters()).element_size()
+    return 2 * layers * ids.shape[0] * length * kv_heads * head_dim * element + margin
+
+
+def _first_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _is_hf_generator(module: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    mixin = getattr(transformers, "GenerationMixin", None) if transformers is not None else None
+    return mixin is not None and isinstance(module, mixin)
+
+
+# ---------------------------------------------------------------------- module.generate
+class SessionGenerate:
+    """The ``generate`` instance attribute of an engine's module (see [Note: the module's
+    generate attribute]): the class's ``generate`` (or the attribute it replaced), in a session."""
+
+    def __init__(self, module: nn.Module, sessions: GenerationSessions | None, replaced: Any = None) -> None:
+        self._module = module
+        self._sessions = weakref.ref(sessions) if sessions is not None else None
+        self._replaced = replaced  # an instance attribute ``generate`` set before the engine's
+
+    def _plain(self) -> Callable[..., Any]:
+        if self._replaced is not None:
+            return self._replaced
+        return type(self._module).generate.__get__(self._module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sessions = self._sessions() if self._sessions is not None else None
+        if sessions is None:
+            return self._plain()(*args, **kwargs)
+        return sessions.run(self._plain(), args, kwargs)
+
+    def __reduce__(self):
+        # Pickled or deep-copied with its module: a pass-through without the engine (which holds
+        # process groups and cannot travel), so the copy generates as a plain model.
+        return SessionGenerate, (self._module, None, self._replaced)
+
+    def __repr__(self) -> str:
+        return f"<partita generation session around {type(self._module).__name__}.generate>"
+
+
+def install_generate(module: nn.Module, sessions: GenerationSessions) -> SessionGenerate | None:
+    """Set ``module.generate`` to a :class:`SessionGenerate` (None when the module has none)."""
+    if not callable(getattr(module, "generate", None)):
+        return None
+    replaced = module.__dict__.get("generate")
+    if isinstance(replaced, SessionGenerate):  # a second engine over the same module: replace the first's
+        replaced = replaced._replaced
+    wrapper = SessionGenerate(module, sessions, replaced)
+    module.__dict__["generate"] = wrapper
+    return wrapper
+
+
+def uninstall_generate(module: nn.Module, wrapper: SessionGenerate | None) -> None:
+    """Undo :func:`install_generate` (engine.destroy); a later replacement is left alone."""
+    if wrapper is None or module.__dict__.get("generate") is not wrapper:
+        return
+    if wrapper._replaced is not None:
+        module.__dict__["generate"] = wrapper._replaced
+    else:
+        del module.__dict__["generate"]
