@@ -28,6 +28,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "logger": ("partita.utils.logging", "logger"),
     "log_dist": ("partita.utils.logging", "log_dist"),
     "MissingDeepSpeedFeature": ("partita.deepspeed_compat", "MissingDeepSpeedFeature"),
+    "init_inference": ("partita.inference.engine", "init_inference"),
+    "InferenceEngine": ("partita.inference.engine", "InferenceEngine"),
+    "DeepSpeedInferenceConfig": ("partita.inference.config", "InferenceConfig"),
 }
 # DeepSpeed's top-level aliases of names inside a subpackage partita may have (pipeline
 # parallelism is being added): resolved from that package when it exists, else reported missing.

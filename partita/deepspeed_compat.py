@@ -1,13 +1,13 @@
 """DeepSpeed names partita deliberately lacks, and the error that names each one.
 
 With ``import partita as deepspeed`` a script may reach for a DeepSpeed call partita does not
-have (``deepspeed.init_inference``, ``engine.train_batch()``, ...). A bare AttributeError
-("module 'partita' has no attribute 'init_inference'", or worse, the engine's fall-through
+have (``deepspeed.module_inject``, ``engine.train_batch()``, ...). A bare AttributeError
+("module 'partita' has no attribute 'module_inject'", or worse, the engine's fall-through
 "'Net' object has no attribute 'no_sync'") says nothing about why. Each name here raises
 :class:`MissingDeepSpeedFeature` with the DeepSpeed name and what to use instead.
 
 :class:`MissingDeepSpeedFeature` is both a NotImplementedError (what it means) and an
-AttributeError (what attribute lookup promises), so ``hasattr(partita, "init_inference")``
+AttributeError (what attribute lookup promises), so ``hasattr(partita, "module_inject")``
 is still False and ``getattr(obj, name, default)`` still returns the default.
 """
 
@@ -21,9 +21,8 @@ class MissingDeepSpeedFeature(NotImplementedError, AttributeError):
 
 
 _INFERENCE = (
-    "DeepSpeed-Inference (kernel injection, inference tensor parallelism) is not part of partita, which trains "
-    "models: generate with engine.module (or engine.generate(...), which falls through to the model), or export "
-    "the weights with engine.save_16bit_model(dir) and serve them with plain PyTorch or Hugging Face"
+    "DeepSpeed's injected inference kernels are not part of partita: partita.init_inference(model, ...) runs the "
+    "model's own modules (split by AutoTP with tensor_parallel.tp_size, compiled with enable_cuda_graph=True)"
 )
 _PIPE = (
     "pipeline parallelism (deepspeed.pipe: PipelineModule, LayerSpec, PipelineEngine.train_batch) is not in this "
@@ -35,11 +34,10 @@ _PIPE = (
 # A subpackage listed here (pipe, moe, sequence) is only reported missing while partita has no
 # package of that name: partita/__init__.py looks for the package first.
 TOP_LEVEL: dict[str, str] = {
-    "init_inference": f"deepspeed.init_inference: {_INFERENCE}",
-    "InferenceEngine": f"deepspeed.InferenceEngine: {_INFERENCE}",
-    "default_inference_config": f"deepspeed.default_inference_config: {_INFERENCE}",
-    "DeepSpeedInferenceConfig": f"deepspeed.DeepSpeedInferenceConfig: {_INFERENCE}",
-    "inference": f"deepspeed.inference: {_INFERENCE}",
+    "default_inference_config": (
+        "deepspeed.default_inference_config() is not in partita: partita.inference.InferenceConfig().model_dump() "
+        "lists init_inference's keys and defaults"
+    ),
     "module_inject": f"deepspeed.module_inject (kernel injection): {_INFERENCE}",
     "add_tuning_arguments": (
         "deepspeed.add_tuning_arguments (the DeepSpeed autotuner's flags): partita has no autotuner; "

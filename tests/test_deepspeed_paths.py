@@ -133,8 +133,8 @@ def test_missing_deepspeed_names_raise_not_implemented_naming_them() -> None:
     import partita
     from partita.deepspeed_compat import MissingDeepSpeedFeature
 
-    with pytest.raises(NotImplementedError, match=r"^deepspeed\.init_inference: DeepSpeed-Inference .* engine\.save_16bit_model\(dir\)"):
-        partita.init_inference
+    with pytest.raises(NotImplementedError, match=r"^deepspeed\.module_inject \(kernel injection\): DeepSpeed's injected inference kernels .* partita\.init_inference\(model, \.\.\.\)"):
+        partita.module_inject
     with pytest.raises(NotImplementedError, match=r"deepspeed\.add_tuning_arguments .* `partita estimate` predicts memory"):
         partita.add_tuning_arguments
     with pytest.raises(NotImplementedError, match=r"deepspeed\.ops\.op_builder is not part of partita"):
@@ -147,7 +147,7 @@ def test_missing_deepspeed_names_raise_not_implemented_naming_them() -> None:
         partita.runtime.activation_checkpointing.checkpointing.get_cuda_rng_tracker
     assert partita.checkpointing.non_reentrant_checkpoint is partita.checkpointing.checkpoint
     # Still an AttributeError for attribute probing: hasattr and getattr's default keep working.
-    assert not hasattr(partita, "init_inference") and getattr(partita, "OnDevice", 7) == 7
+    assert not hasattr(partita, "module_inject") and getattr(partita, "OnDevice", 7) == 7
     assert issubclass(MissingDeepSpeedFeature, AttributeError)
     with pytest.raises(AttributeError, match=r"^module 'partita' has no attribute 'no_such_thing'$"):
         partita.no_such_thing
