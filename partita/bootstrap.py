@@ -98,11 +98,17 @@ def initialize(
             "an optimizer was passed to initialize() and the config has an 'optimizer' section; "
             "keep one: remove the section or drop the optimizer argument"
         )
-    if optimizer is None and cfg.optimizer is None:
+    # ZeRO-Inference (DeepSpeed's configuration of it): stage 3, no optimizer anywhere (partita/zero/inference.py).
+    inference_only = optimizer is None and cfg.optimizer is None and cfg.zero_optimization.stage == 3
+    if optimizer is None and cfg.optimizer is None and not inference_only:
         raise ValueError(
             "no optimizer: pass optimizer=<torch optimizer or callable> to initialize() or add an "
-            "'optimizer' section to the config, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}"
+            "'optimizer' section to the config, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}; "
+            f"for inference only (ZeRO-Inference) set zero_optimization.stage to 3 (it is {cfg.zero_optimization.stage}), "
+            "optionally with offload_param {\"device\": \"cpu\", \"pin_memory\": true}, and give no optimizer"
         )
+    if inference_only:
+        _check_inference_only(cfg, model, lr_scheduler)
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ValueError(
             "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one"
@@ -147,6 +153,9 @@ def initialize(
     # After checkpointing (a checkpointed block compiles inside its checkpoint); before ZeRO only to
     # fail fast: compiled regions are block forwards, so ZeRO-3's hooks stay eager either way.
     apply_compile_config(model, cfg.compile, zero_stage=cfg.zero_optimization.stage)
+    if inference_only:
+        return _initialize_inference(model, cfg, topology, batch, device, compute_dtype, expert_comms,
+                                     training_data, collate_fn)
     # offload_optimizer.device "auto": the estimator splits the optimizer state over accelerator,
     # host memory and NVMe for the tiers' capacities (partita/offload/auto_placement.py).
     cfg = resolve_tiered_placement(cfg, model, param_groups, world_size=topology.zero_size,
@@ -203,6 +212,43 @@ def initialize(
         resume_from_config(engine)  # checkpoint.resume: continue from the newest complete checkpoint
     release_free_host_memory()  # whole copies and init shards freed while building (partita/utils/host_memory.py)
     return engine, zero.optimizer, dataloader, scheduler
+
+
+def _check_inference_only(cfg: PartitaConfig, model: nn.Module, lr_scheduler: Any) -> None:
+    """What an inference-only engine (no optimizer) cannot honour, refused before anything is built."""
+    if lr_scheduler is not None or cfg.scheduler is not None:
+        raise ConfigError(
+            "an lr scheduler was given but no optimizer: with zero_optimization.stage 3 and no optimizer partita builds "
+            "an inference-only engine (ZeRO-Inference), which has no learning rate; add an \"optimizer\" section to "
+            "train, or drop the scheduler"
+        )
+    if isinstance(model, PipelineModule):
+        raise ConfigError(
+            "a PipelineModule with no optimizer: inference-only engines (ZeRO-Inference) run whole models; add an "
+            "\"optimizer\" section to train the pipeline, or pass the model itself (not a PipelineModule)"
+        )
+
+
+def _initialize_inference(model: nn.Module, cfg: PartitaConfig, topology: Topology, batch, device: torch.device,
+                          compute_dtype: torch.dtype, expert_comms, training_data, collate_fn):
+    """ZeRO-Inference: every parameter sharded (streamed from host memory or NVMe with offload_param), no
+    fp32 masters, no optimizer state; ``(engine, None, dataloader, None)`` (partita/zero/inference.py)."""
+    from partita.zero.inference import apply_zero_inference
+    from partita.zero.inference_engine import InferenceEngine
+
+    zero = apply_zero_inference(model, config=cfg.zero_optimization, topology=topology, aio=cfg.aio,
+                                param_comms=expert_comms)
+    engine = InferenceEngine(module=model, zero=zero, batch=batch, topology=topology, device=device,
+                             compute_dtype=compute_dtype, config=cfg,
+                             training_dataloader=_build_dataloader(training_data, collate_fn, batch.micro_batch_size,
+                                                                   topology, cfg))
+    location = zero.gatherer.shard_location
+    logger.info("ZeRO-Inference: no optimizer, %d parameters sharded over %d rank(s), shards in %s (%s), no fp32 masters",
+                sum(1 for p in model.parameters() if zero.gatherer.is_sharded_param(p)), topology.zero_size,
+                {"accelerator": "device memory", "cpu": "host memory", "nvme": "NVMe swap files"}[location],
+                compute_dtype)
+    release_free_host_memory()
+    return engine, None, engine.training_dataloader, None
 
 
 def _build_topology(cfg: PartitaConfig, *, device_type: str, model: nn.Module | None = None) -> Topology:

@@ -88,6 +88,8 @@ class ShardedParamGroup:
         source_index: int = 0,
         comm: ShardComm | None = None,
         padding: tuple[int, int] = (0, 0),
+        master_dtype: torch.dtype = torch.float32,
+        master_device: torch.device | None = None,
     ) -> None:
         self.params = list(params)
         # Who this group's gradients are reduced with and its partition is sharded across
@@ -105,7 +107,9 @@ class ShardedParamGroup:
         # memory, and gradients/weights cross through ``host_transfer``.
         self.host_transfer = host_transfer
         device = torch.device("cpu") if host_transfer is not None else self.params[0].device
-        self.master = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+        # master_dtype/master_device: an inference-only group's "master" is its model-dtype shard
+        # (partita/zero/inference.py); training groups keep fp32 where the optimizer steps them.
+        self.master = torch.zeros(self.layout.partition_numel, dtype=master_dtype, device=master_device or device)
         # Page-locked where it is (CUDA, pin_memory): the weights then go up from it in fp32
         # and are cast on the device, so neither step needs a host cast for the upload.
         self.master_pinned = host_transfer is not None and host_transfer.pin_in_place(self.master)

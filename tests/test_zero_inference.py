@@ -1,0 +1,127 @@
+"""ZeRO-Inference through ``partita.initialize`` without an optimizer (issue 28 item 3): every
+parameter sharded, no fp32 masters; weights streamed from host memory (offload_param cpu) give the
+logits resident shards and an unsharded model give, exactly; eval forwards prefetch the next
+units; generate works; what needs an optimizer is refused with the fix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from partita.config import ConfigError  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+from tests.test_zero3_generate import _build, _greedy, _prompt  # noqa: E402
+
+FIX = 'add an "optimizer" section to the config'
+
+
+def _config(offload: str | None, precision: str = "fp32") -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if offload is not None:
+        zero["offload_param"] = {"device": offload, "pin_memory": True}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "steps_per_print": 1000}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def inference_engines() -> dict:
+    import partita
+
+    rank = int(os.environ["RANK"])
+    ids = _prompt(rank)
+    reference = _build("llama").eval()
+    with torch.no_grad():
+        want_logits = reference(input_ids=ids).logits
+    out = {"want_tokens": _greedy(reference.generate, ids, 6)}
+    for offload in (None, "cpu"):
+        engine, optimizer, _, scheduler = partita.initialize(model=_build("llama"), config=_config(offload))
+        engine.eval()
+        gatherer = engine.zero.gatherer
+        name = offload or "resident"
+        with torch.no_grad():
+            logits = [engine(input_ids=ids).logits for _ in range(3)]  # the first records the unit order
+        out[f"{name}_exact"] = all(torch.equal(x, want_logits) for x in logits)
+        out[f"{name}_location"] = gatherer.shard_location
+        out[f"{name}_prefetches"] = gatherer.eval_prefetch.prefetch_count
+        out[f"{name}_tokens"] = _greedy(engine.module.generate, ids, 6)
+        out[f"{name}_returned"] = (optimizer, scheduler, engine.optimizer)
+        out[f"{name}_freed"] = gatherer.num_gathered()
+        errors = {}
+        loss = engine(input_ids=ids, labels=ids).loss
+        for what, call in {"backward": lambda: engine.backward(loss), "step": engine.step,
+                           "save_checkpoint": lambda: engine.save_checkpoint("/nonexistent")}.items():
+            try:
+                call()
+            except ConfigError as error:
+                errors[what] = str(error)
+        out[f"{name}_errors"] = errors
+        engine.destroy()
+    # bf16: the shards are the model's dtype; the host holds each parameter's bytes / world size, once.
+    engine, _, _, _ = partita.initialize(model=_build("llama"), config=_config("cpu", "bf16"))
+    groups = engine.zero.gatherer.storage.groups
+    out["bf16_master_dtypes"] = sorted({str(g.master.dtype) for g in groups})
+    out["bf16_host_elements"] = sum(g.master.numel() for g in groups)
+    out["model_elements"] = sum(p.numel() for p in engine.module.parameters())
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines() -> list[dict]:
+    return run_distributed(inference_engines, 2, timeout=300)
+
+
+def test_streamed_and_resident_logits_equal_the_unsharded_model_exactly(engines) -> None:
+    for result in engines:
+        assert result["resident_location"] == "accelerator" and result["cpu_location"] == "cpu"
+        assert result["resident_exact"] and result["cpu_exact"]
+
+
+def test_zero_inference_generates_the_unsharded_tokens(engines) -> None:
+    for result in engines:
+        assert result["resident_tokens"] == result["want_tokens"]
+        assert result["cpu_tokens"] == result["want_tokens"]
+        assert result["resident_freed"] == result["cpu_freed"] == 0
+
+
+def test_eval_forwards_prefetch_the_next_units_after_the_first(engines) -> None:
+    for result in engines:
+        # Units: the root and 2 layers. Forward 1 records the order; forwards 2 and 3 prefetch both layers.
+        assert result["cpu_prefetches"] == result["resident_prefetches"] == 4
+
+
+def test_no_optimizer_no_fp32_masters(engines) -> None:
+    for result in engines:
+        assert result["cpu_returned"] == (None, None, None)
+        assert result["bf16_master_dtypes"] == ["torch.bfloat16"]
+        # One shard per rank of every parameter (padding to a multiple of 2 at most one element each).
+        assert result["model_elements"] / 2 <= result["bf16_host_elements"] <= result["model_elements"] / 2 + 20
+
+
+def test_training_calls_are_refused_with_the_fix(engines) -> None:
+    for result in engines:
+        for name in ("resident", "cpu"):
+            errors = result[f"{name}_errors"]
+            assert set(errors) == {"backward", "step", "save_checkpoint"}
+            assert all(FIX in message for message in errors.values()), errors
+            assert errors["backward"].startswith("engine.backward(): this engine was built for inference only")
+
+
+def test_no_optimizer_below_stage_3_names_the_inference_route() -> None:
+    import partita
+
+    with pytest.raises(ValueError) as info:
+        partita.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
+                                                                 "zero_optimization": {"stage": 2}})
+    message = str(info.value)
+    assert message.startswith("no optimizer: pass optimizer=")
+    assert "for inference only (ZeRO-Inference) set zero_optimization.stage to 3 (it is 2)" in message
+    with pytest.raises(ConfigError, match="an lr scheduler was given but no optimizer"):
+        partita.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}})
