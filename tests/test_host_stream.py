@@ -1,0 +1,285 @@
+"""Host-streamed weights (partita.inference.host_stream.HostStreamedWeights) on tiny models, CPU.
+
+Oracle: the same model with every weight resident. Streaming only moves bytes, so the logits and
+the greedy tokens must be *equal* (not close), in fp32 and with torchao int8/int4 weights; the
+counters must show the schedule (each unit copied once per forward, the next one prefetched,
+wrapping to the first block for the next token).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tests.harness import run_distributed
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from partita.inference.host_stream import HostStreamedWeights  # noqa: E402
+
+VOCAB = 96
+LAYERS = 3
+
+
+def _hf(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=LAYERS, n_head=4,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _ids(batch: int = 2, seq: int = 7) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(5))
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+@torch.no_grad()
+def _logits(model: nn.Module) -> torch.Tensor:
+    return model(_ids()).logits
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_streamed_fp32_logits_equal_resident(kind, prefetch) -> None:
+    model = _hf(kind)
+    want = _logits(model)
+    streamed = HostStreamedWeights(model, "cpu", prefetch=prefetch)
+    assert torch.equal(_logits(model), want)
+    assert torch.equal(_logits(model), want)  # and again: the second pass runs from the wrapped prefetch
+    block_bytes = sum(p.numel() * p.element_size() for p in _blocks(model).parameters())
+    assert streamed.nbytes_on_host() == block_bytes
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_streamed_quantized_logits_equal_quantized_resident(bits) -> None:
+    pytest.importorskip("torchao")
+    from partita.inference.quantize import quantize_weights
+
+    model = quantize_weights(_hf("llama"), bits=bits)
+    want = _logits(model)
+    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+    assert torch.equal(_logits(model), want)
+    # The quantized data streams as stored: the host holds int8 / packed int4 bytes, not floats.
+    kinds = {type(slot.host).__name__ for unit in streamed._slots for slot in unit if slot.host.dim() == 2}
+    assert kinds == {"Int8Tensor" if bits == 8 else "Int4OpaqueTensor"}
+    floats = sum(p.numel() * 4 for p in _blocks(_hf("llama")).parameters())
+    assert streamed.nbytes_on_host() < floats * (0.3 if bits == 8 else 0.2)
+    # One forward: 4 unit copies (block 0 twice: its own turn, then prefetched after the last block).
+    assert streamed.counters.bytes_copied == streamed.nbytes_on_host() * 4 // LAYERS
+
+
+def test_greedy_generation_with_a_kv_cache_streams_every_block_once_per_token() -> None:
+    model = _hf("llama")
+    prompt = _ids(1, 5)
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+        got = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    # 6 forwards (the prompt, then 5 one-token steps): every block copied once each; block 0 once
+    # more, prefetched after the last block of the last step for a next token.
+    assert streamed.counters.fetches == [7, 6, 6]
+    assert streamed.counters.prefetch_hits == 6 * LAYERS - 1
+    assert streamed.counters.prefetches_issued == 6 * LAYERS
+    assert streamed.counters.prefetches_dropped == 0
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+
+@pytest.mark.parametrize("prefetch,fetches,hits,issued", [(0, [3, 3, 3], 0, 0), (1, [4, 3, 3], 8, 9),
+                                                           (2, [4, 4, 3], 8, 10)])
+def test_counters_show_one_copy_per_unit_per_forward_and_the_prefetch(prefetch, fetches, hits, issued) -> None:
+    model = _hf("gpt2")
+    streamed = HostStreamedWeights(model, "cpu", prefetch=prefetch)
+    for _ in range(3):
+        _logits(model)
+    assert streamed.counters.fetches == fetches
+    assert streamed.counters.prefetch_hits == hits
+    assert streamed.counters.prefetches_issued == issued
+    assert streamed.counters.copies_issued == sum(fetches)
+
+
+def test_units_run_out_of_order_drop_their_unused_prefetch() -> None:
+    model = _hf("gpt2")
+    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+    h = torch.randn(1, 3, 32)
+    with torch.no_grad():
+        _blocks(model)[0](h)  # prefetches block 1
+        _blocks(model)[2](h)  # block 1 never ran: its copy is dropped; block 2 then prefetches block 0
+    assert streamed.counters.fetches == [2, 1, 1] and streamed.counters.prefetches_dropped == 1
+    assert streamed._inflight.keys() == {0}  # block 2 prefetched block 0 (wrapping)
+
+
+def test_the_weights_are_copies_while_the_unit_runs_and_host_tensors_otherwise() -> None:
+    model = _hf("llama")
+    block = _blocks(model)[1]
+    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+    host = {n: p for n, p in block.named_parameters()}
+    seen = {}
+
+    def look(module, _args):  # registered after the streaming hook, so it sees what forward sees
+        seen.update({n: p for n, p in module.named_parameters()})
+
+    block.register_forward_pre_hook(look)
+    _logits(model)
+    assert seen.keys() == host.keys()
+    for name, p in seen.items():
+        assert p is not host[name] and p.data_ptr() != host[name].data_ptr()  # a real copy
+        assert torch.equal(p, host[name])
+    assert all(p is host[n] for n, p in block.named_parameters())  # dropped after the unit ran
+    assert streamed._running == set()
+
+
+def test_embeddings_norm_and_head_stay_resident_and_tied() -> None:
+    model = _hf("gpt2")
+    streamed = HostStreamedWeights(model, "cpu")
+    streamed_ids = {id(slot.host) for unit in streamed._slots for slot in unit}
+    assert id(model.lm_head.weight) not in streamed_ids and id(model.transformer.ln_f.weight) not in streamed_ids
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert len(streamed._slots) == LAYERS and all(len(unit) == 12 for unit in streamed._slots)
+
+
+def test_a_parameter_shared_between_units_stays_resident() -> None:
+    torch.manual_seed(0)
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)])
+            self.layers[2].weight = self.layers[0].weight
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    model = Shared()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = model(x)
+        streamed = HostStreamedWeights(model, "cpu")
+        assert torch.equal(model(x), want)
+    names = [[slot.name for slot in unit] for unit in streamed._slots]
+    assert names == [["bias"], ["weight", "bias"], ["bias"]]
+    assert model.layers[2].weight is model.layers[0].weight
+
+
+def test_remove_restores_the_model_resident_and_unhooked() -> None:
+    model = _hf("llama")
+    want = _logits(model)
+    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+    _logits(model)
+    before = streamed.counters.copies_issued
+    assert streamed.remove() is model
+    assert torch.equal(_logits(model), want)
+    assert streamed.counters.copies_issued == before  # no hook ran
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in _blocks(model))
+    assert streamed.nbytes_on_host() == 0
+
+
+def test_units_by_name_and_as_a_context_manager() -> None:
+    model = _hf("llama")
+    want = _logits(model)
+    with HostStreamedWeights(model, "cpu", units=["model.layers.0", "model.layers.2"]) as streamed:
+        assert torch.equal(_logits(model), want)
+        assert streamed.counters.fetches == [2, 1]  # layer 0 again: prefetched after layer 2
+    assert not _blocks(model)[0]._forward_pre_hooks
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def stream_tensor_parallel_int8() -> dict:
+    import torch.distributed as dist
+
+    from partita.inference.quantize import quantize_weights
+    from partita.tensor_parallel.apply import apply_tensor_parallel
+    from partita.tensor_parallel.autotp import autotp_plan
+
+    dist.init_process_group("gloo")
+    model = _hf("llama")
+    apply_tensor_parallel(model, group=dist.group.WORLD, plan=autotp_plan(model))
+    quantize_weights(model, bits=8)
+    want = _logits(model)
+    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+    got = _logits(model)
+    return {"equal": torch.equal(got, want), "fetches": streamed.counters.fetches}
+
+
+def test_each_tensor_rank_streams_its_own_int8_shards() -> None:
+    pytest.importorskip("torchao")
+    for out in run_distributed(stream_tensor_parallel_int8, 2, timeout=120):
+        assert out == {"equal": True, "fetches": [2, 1, 1]}
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _refusal(model, device="cpu", **kwargs) -> str:
+    with pytest.raises(ValueError) as e:
+        HostStreamedWeights(model, device, **kwargs)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("prefetch", [-1, 1.5, True])
+def test_a_bad_prefetch_is_refused(prefetch) -> None:
+    assert _refusal(_hf("gpt2"), prefetch=prefetch) == (
+        f"HostStreamedWeights: prefetch must be an int >= 0 (units copied ahead), got {prefetch!r}")
+
+
+def test_bad_units_are_refused() -> None:
+    model = _hf("llama")
+    assert _refusal(nn.Sequential(nn.Linear(2, 2))) == (
+        "HostStreamedWeights: Sequential has no nn.ModuleList whose children (the blocks) could stream; "
+        "pass units=[...] (the modules to stream, in the order they run)")
+    assert _refusal(model, units=[]) == (
+        "HostStreamedWeights: units is empty; pass the modules to stream, or units=None for the children of "
+        "the model's nn.ModuleLists")
+    assert _refusal(model, units=["model.blocks.0"]) == (
+        "HostStreamedWeights: units names 'model.blocks.0', which is not a submodule of LlamaForCausalLM")
+    assert _refusal(model, units=[nn.Linear(2, 2)]) == (
+        "HostStreamedWeights: every unit must be a submodule of the model (or its name); got Linear")
+    assert _refusal(model, units=[model]) == "HostStreamedWeights: the model itself cannot be a unit; pass its blocks"
+    assert _refusal(model, units=["model.layers.0", "model.layers.0.mlp"]) == (
+        "HostStreamedWeights: unit 'model.layers.0.mlp' lies inside unit 'model.layers.0'; units must not overlap")
+    assert _refusal(model, units=["model.layers.1", "model.layers.1"]) == (
+        "HostStreamedWeights: a unit is listed twice; list each once, in the order they run")
+    assert _refusal(model, device="mps") == "HostStreamedWeights: device 'mps' is not supported; use 'cuda' or 'cpu'"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a machine without CUDA")
+def test_cuda_without_cuda_is_refused() -> None:
+    assert _refusal(_hf("gpt2"), device="cuda") == (
+        "HostStreamedWeights: device 'cuda' is not available (torch.cuda.is_available() is False); "
+        "stream to device='cpu' instead")
+
+
+def test_int4_packed_for_cpu_is_refused_for_cuda_before_anything_moves(monkeypatch) -> None:
+    pytest.importorskip("torchao")
+    from partita.inference.quantize import quantize_weights
+
+    model = quantize_weights(_hf("llama"), bits=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _refusal(model, device="cuda") == (
+        "HostStreamedWeights: model.layers.0.self_attn.q_proj.weight is a Int4OpaqueTensor, packed for cpu kernels, "
+        "and cannot run on cuda; quantize for the device it runs on: quantize_weights(model, bits=4, device='cuda') "
+        "before streaming")
+    assert all(type(p) is nn.Parameter for p in model.model.layers[0].parameters() if p.dim() == 1)  # untouched
+    assert not model.model.layers[0]._forward_pre_hooks
