@@ -25,10 +25,10 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from partita.config.base import ConfigError, JsonInt, Problem, StrictSection, describe_field, format_value
+from partita.config.base import ConfigError, JsonInt, Problem, StrictSection, describe_field
 from partita.config.suggest import did_you_mean
 
-__all__ = ["InferenceConfig", "DTYPES", "parse_inference_config", "merge_config_and_kwargs"]
+__all__ = ["DTYPES", "InferenceConfig", "describe", "merge_config_and_kwargs", "parse_inference_config"]
 
 # DeepSpeed's DtypeEnum spellings (deepspeed/inference/config.py), each mapped to its torch dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -221,12 +221,19 @@ def parse_inference_config(raw: Mapping[str, Any]) -> InferenceConfig:
     _deprecated_mp_size(cleaned, problems)
     if "dtype" in cleaned:
         cleaned["dtype"] = _dtype_name(cleaned["dtype"], problems)
+    if isinstance(cleaned.get("checkpoint"), os.PathLike):
+        cleaned["checkpoint"] = os.fspath(cleaned["checkpoint"])
     config = None
     if not problems:
         try:
             config = InferenceConfig.model_validate(cleaned)
         except ValidationError as error:
-            problems.extend(_from_pydantic(item) for item in error.errors())
+            seen: set[str] = set()
+            for item in error.errors():
+                problem = _from_pydantic(item)
+                if problem.path not in seen:  # a union (moe: bool | {...}) reports once per member
+                    seen.add(problem.path)
+                    problems.append(problem)
     if config is not None:
         problems.extend(_refusals(config))
     if problems:
@@ -241,6 +248,7 @@ def _walk(raw: Mapping[str, Any], model: type[BaseModel], section: tuple[str, ..
     fields = model.model_fields
     aliases: Mapping[str, str] = getattr(model, "key_aliases", {})
     out: dict = {}
+    given: dict[str, str] = {}  # field -> the spelling the user wrote first
     for key, value in raw.items():
         path = ".".join((*section, str(key)))
         name = aliases.get(key, key)
@@ -250,8 +258,10 @@ def _walk(raw: Mapping[str, Any], model: type[BaseModel], section: tuple[str, ..
             problems.append(Problem(path, f"unknown key {where}{'; ' + hint if hint else '.'} Valid keys: {', '.join(fields)}", value))
             continue
         if name in out:
-            problems.append(Problem(path, f"'{key}' is DeepSpeed's other name for '{name}', which is also given; keep one", value))
+            alias = key if key != name else given[name]
+            problems.append(Problem(path, f"'{alias}' is DeepSpeed's other name for '{name}', and both are given; keep one", value))
             continue
+        given[name] = key
         nested = _section_model(fields[name].annotation)
         if nested is not None and isinstance(value, Mapping):
             value = _walk(value, nested, (*section, name), problems)
@@ -386,6 +396,3 @@ def describe(cfg: InferenceConfig) -> str:
         extra.append("compiled decoding")
     return ", ".join(extra)
 
-
-def render(value: Any) -> str:
-    return format_value(value)

@@ -111,7 +111,9 @@ class InferenceEngine(nn.Module):
         if cfg.quant_bits is not None:
             from partita.inference.quantize import quantize_weights
 
-            quantize_weights(model, bits=cfg.quant_bits, group_size=cfg.quant.weight.group_size)
+            # Streamed weights stay on the host but are packed for the device whose kernels use them.
+            quantize_weights(model, bits=cfg.quant_bits, group_size=cfg.quant.weight.group_size,
+                             device=device if cfg.streams_weights else None)
         if cfg.streams_weights:
             from partita.inference.host_stream import HostStreamedWeights
 
