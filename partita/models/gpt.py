@@ -293,12 +293,12 @@ class GPT(nn.Module):
             for block in self.blocks:
                 x = block(x)
         else:
-            if targets is not None or len(kv_cache) != len(self.blocks):
-                raise ValueError(
-                    f"kv_cache: a cache of {len(kv_cache)} layers for {len(self.blocks)} blocks, targets "
-                    f"{'given' if targets is not None else 'None'}; the cache serves generation only (no targets): "
-                    f"build it with GPT.new_kv_cache(max_len)"
-                )
+            if targets is not None:
+                raise ValueError("kv_cache serves generation: call the forward with kv_cache and no targets (the loss "
+                                 "needs every position's logits from a forward without the cache)")
+            if len(kv_cache) != len(self.blocks):
+                raise ValueError(f"kv_cache has {len(kv_cache)} layers for a model of {len(self.blocks)} blocks: build it "
+                                 f"with this model's new_kv_cache(max_len)")
             for block, layer in zip(self.blocks, kv_cache.layers):
                 x = block(x, kv_cache=layer, cache_positions=position_ids)
         if logits_to_keep:

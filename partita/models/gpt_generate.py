@@ -19,6 +19,7 @@ has no ``generate`` (partita's pipeline engines train).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -64,8 +65,7 @@ def generate(
     prompt = _prompt(idx, input_ids, attention_mask)
     _check_options(max_new_tokens, do_sample, temperature, top_k)
     check_generation_supported(model)
-    block_size = model.config.block_size
-    batch, length = prompt.shape
+    block_size, length = model.config.block_size, prompt.size(1)
     total = length + max_new_tokens
     if total > block_size:
         raise ValueError(
@@ -79,38 +79,42 @@ def generate(
                          f"build it with model.new_kv_cache({total}) or larger")
     eos = _eos_tensor(eos_token_id, prompt.device)
     synced = synced_gpus and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    out = torch.empty(batch, total, dtype=torch.long, device=prompt.device)
-    out[:, :length] = prompt
-    done = 0  # new tokens written
+    pick = functools.partial(_choose, model, do_sample=do_sample, temperature=temperature, top_k=top_k, generator=generator)
     with generation_mode(model):
-        logits, _ = model(prompt, kv_cache=cache, logits_to_keep=1)
-        logits = logits[:, -1]
-        position = torch.full((1,), length, dtype=torch.long, device=prompt.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=prompt.device)
-        token = prompt[:, -1:]
-        while True:
-            mine = done < max_new_tokens  # this rank still producing
-            if mine:
-                choice = _choose(model, whole_vocab_logits(model, logits), do_sample, temperature, top_k, generator)
-                if eos is not None:
-                    choice = torch.where(finished, eos[0], choice)
-                    finished |= torch.isin(choice, eos)
-                out[:, length + done] = choice
-                done += 1
-                token = choice.unsqueeze(1)
-                if done == max_new_tokens or (eos is not None and bool(finished.all())):
-                    max_new_tokens = done  # no more tokens from this rank
-                    mine = False
-            if not _anyone_continues(mine, synced, prompt.device):
-                break
-            if mine:
-                logits = model.decode_step(token, position, cache)
-                position += 1
-            else:
-                # Another rank is still generating: run the same step (its collectives must meet ours)
-                # on the last token at the last written slot and discard the logits.
-                model.decode_step(token, torch.full_like(position, length + done - 1), cache)
-    return out[:, :length + done]
+        return _decode(model, prompt, cache, max_new_tokens, pick, eos, synced)
+
+
+def _decode(model: nn.Module, prompt: torch.Tensor, cache, max_new_tokens: int, pick, eos: torch.Tensor | None,
+            synced: bool) -> torch.Tensor:
+    """The prefill, then a token and a decode step at a time until this rank (and, when
+    ``synced``, every rank) is done; returns the prompt and the tokens chosen."""
+    batch, length = prompt.shape
+    out = torch.empty(batch, length + max_new_tokens, dtype=torch.long, device=prompt.device)
+    out[:, :length] = prompt
+    logits, _ = model(prompt, kv_cache=cache, logits_to_keep=1)
+    logits = logits[:, -1]
+    position = torch.full((1,), length, dtype=torch.long, device=prompt.device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=prompt.device)
+    done, producing = 0, True  # new tokens written; whether this rank still wants more
+    while True:
+        if producing:
+            choice = pick(whole_vocab_logits(model, logits))
+            if eos is not None:
+                choice = torch.where(finished, eos[0], choice)
+                finished |= torch.isin(choice, eos)
+            out[:, length + done] = choice
+            done += 1
+            token = choice.unsqueeze(1)
+            producing = done < max_new_tokens and not (eos is not None and bool(finished.all()))
+        if not _anyone_continues(producing, synced, prompt.device):
+            return out[:, :length + done]
+        if producing:
+            logits = model.decode_step(token, position, cache)
+            position += 1
+        else:
+            # Another rank is still generating: run the same step (its collectives must meet ours) on
+            # the last token at its own slot, and discard the logits.
+            model.decode_step(token, torch.full_like(position, length + done - 1), cache)
 
 
 def _anyone_continues(mine: bool, synced: bool, device: torch.device) -> bool:
@@ -190,7 +194,7 @@ def whole_vocab_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return whole
 
 
-def _choose(model: nn.Module, logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
+def _choose(model: nn.Module, logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: int | None,
             generator: torch.Generator | None) -> torch.Tensor:
     if not do_sample:
         return logits.argmax(dim=-1)
