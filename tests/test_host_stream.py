@@ -14,8 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_distributed
-
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -202,30 +200,9 @@ def test_units_by_name_and_as_a_context_manager() -> None:
     assert not _blocks(model)[0]._forward_pre_hooks
 
 
-# ----------------------------------------------------------------------------- tensor parallel
-
-
-def stream_tensor_parallel_int8() -> dict:
-    import torch.distributed as dist
-
-    from partita.inference.quantize import quantize_weights
-    from partita.tensor_parallel.apply import apply_tensor_parallel
-    from partita.tensor_parallel.autotp import autotp_plan
-
-    dist.init_process_group("gloo")
-    model = _hf("llama")
-    apply_tensor_parallel(model, group=dist.group.WORLD, plan=autotp_plan(model))
-    quantize_weights(model, bits=8)
-    want = _logits(model)
-    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
-    got = _logits(model)
-    return {"equal": torch.equal(got, want), "fetches": streamed.counters.fetches}
-
-
-def test_each_tensor_rank_streams_its_own_int8_shards() -> None:
-    pytest.importorskip("torchao")
-    for out in run_distributed(stream_tensor_parallel_int8, 2, timeout=120):
-        assert out == {"equal": True, "fetches": [2, 1, 1]}
+# Tensor parallelism: each tensor rank streaming its own int8 shards is checked in the same 2-rank run as
+# the quantized split (tests/test_inference_quantize.py::test_tensor_parallel_int8_equals_the_unsharded_int8_model),
+# so the suite pays for one set of processes.
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -283,3 +260,40 @@ def test_int4_packed_for_cpu_is_refused_for_cuda_before_anything_moves(monkeypat
         "before streaming")
     assert all(type(p) is nn.Parameter for p in model.model.layers[0].parameters() if p.dim() == 1)  # untouched
     assert not model.model.layers[0]._forward_pre_hooks
+
+
+# ----------------------------------------------------------------------------- CUDA (skipped without a GPU)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_cuda_streams_from_pinned_host_memory_with_the_logits_of_resident_weights(bits) -> None:
+    from partita.inference.quantize import quantize_weights
+
+    model = _hf("llama").to(torch.bfloat16)
+    ids = _ids().cuda()
+    resident = _hf("llama").to(torch.bfloat16).cuda()
+    if bits:
+        quantize_weights(resident, bits=bits)
+        quantize_weights(model, bits=bits, device="cuda")  # packed for the GPU, kept on the host
+    with torch.no_grad():
+        want = resident(ids).logits
+        del resident
+        torch.cuda.empty_cache()
+        streamed = HostStreamedWeights(model, "cuda", prefetch=1)
+        assert all(slot.host.device.type == "cpu" for unit in streamed._slots for slot in unit)
+        pinned = [leaf.is_pinned() for unit in streamed._slots for slot in unit for leaf in _leaves(slot.host)]
+        assert pinned and all(pinned)
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert streamed.counters.fetches == [2, 1, 1]
+    streamed.remove()
+    assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+def _leaves(t):
+    from partita.inference.tensor_parts import leaves
+
+    return list(leaves(t))

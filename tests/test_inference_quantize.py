@@ -166,6 +166,12 @@ def _quantize_after_split(kind: str) -> dict:
     quantize_weights(model, bits=8, group_size=16)
     with torch.no_grad():
         logits = model(_ids()).logits
+        # Each tensor rank streams its own quantized shards from host memory: the same logits.
+        from partita.inference.host_stream import HostStreamedWeights
+
+        streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+        streamed_equal = torch.equal(model(_ids()).logits, logits)
+        streamed.remove()
     types = sorted({f"{type(m).__name__}:{type(m.weight).__name__}" for m in model.modules()
                     if "Parallel" in type(m).__name__ or isinstance(m, LinearFromConv1D)})
     try:
@@ -173,7 +179,8 @@ def _quantize_after_split(kind: str) -> dict:
         error = None
     except ValueError as e:
         error = str(e)
-    return {"logits": logits, "types": types, "error": error}
+    return {"logits": logits, "types": types, "error": error, "streamed_equal": streamed_equal,
+            "fetches": streamed.counters.fetches}
 
 
 def _split_again(kind: str) -> nn.Module:
@@ -188,6 +195,8 @@ def _split_again(kind: str) -> nn.Module:
 
 
 def test_tensor_parallel_int8_equals_the_unsharded_int8_model() -> None:
+    """tp 2: quantizing after the split gives the unsharded int8 model's logits, and streaming each
+    rank's shards from host memory (HostStreamedWeights) gives exactly the resident logits."""
     outs = run_distributed(quantize_after_split, 2, ["gpt2", "llama"], timeout=120)
     per_rank = {kind: [out[kind] for out in outs] for kind in ("gpt2", "llama")}
     for kind, ranks in per_rank.items():
@@ -197,6 +206,7 @@ def test_tensor_parallel_int8_equals_the_unsharded_int8_model() -> None:
             want = model(_ids()).logits
         for out in ranks:
             torch.testing.assert_close(out["logits"], want, rtol=1e-5, atol=1e-5)
+            assert out["streamed_equal"] and out["fetches"] == [2, 1], (kind, out["fetches"])
     assert per_rank["gpt2"][0]["types"] == ["LinearFromConv1D:Int8Tensor"]
     assert per_rank["llama"][0]["types"] == ["ColumnParallelLinear:Int8Tensor", "RowParallelLinear:Int8Tensor"]
     # A row-parallel shard's input features are what the group size must divide (64 / 2 = 32).
@@ -242,3 +252,17 @@ def test_without_torchao_the_error_names_the_install(monkeypatch) -> None:
     assert str(e.value) == (
         "weight-only quantization (dtype=torch.int8 / quant) needs torchao, which is not installed: "
         "pip install torchao (or pip install partita[inference])")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_formats_are_within_torchaos_tolerance(bits) -> None:
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(1024, 512, dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(4, 1024, dtype=torch.bfloat16, device="cuda")
+    ref = layer(x)
+    quantize_weights(layer, bits=bits)
+    with torch.no_grad():
+        assert _sqnr(ref, layer(x)) > TORCHAO_SQNR
+    fast_int4 = "Int4Tensor" if importlib.util.find_spec("mslk") else "Int4TilePackedTo4dTensor"
+    assert type(layer[0].weight).__name__ == ("Int8Tensor" if bits == 8 else fast_int4)
