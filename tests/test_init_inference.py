@@ -246,6 +246,20 @@ def test_compiled_decoding_captures_the_decode_step_whole_and_decodes_the_same_t
     torch._dynamo.reset()
 
 
+def test_compiled_reference_gpt_reuses_one_kv_cache_per_batch_size() -> None:
+    from torch._dynamo.utils import counters
+
+    want = greedy(build("gpt").eval())
+    engine = partita.init_inference(build("gpt"), max_out_tokens=16, **FP32)
+    torch._dynamo.reset()
+    counters.clear()
+    engine._enable_compiled_decoding(mode=None, backend="eager", all_devices=True)
+    assert greedy(engine) == want and greedy(engine) == want
+    [cache] = engine._decode_caches.values()
+    assert cache.max_len == 16 and counters["stats"]["unique_graphs"] == 1  # the second call reused the graph
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------ checkpoints
 
 

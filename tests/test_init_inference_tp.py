@@ -36,6 +36,10 @@ def build(kind: str, seed: int = 0) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64))
+    if kind == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64))
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=None))
@@ -94,6 +98,9 @@ def generate_everything(root: str) -> dict:
             out[(kind, tp)] = greedy(engine)
             if kind == "llama":
                 out[("numel", tp)] = engine.module.model.layers[0].self_attn.k_proj.weight.numel()
+    for tp in (2, 4):  # BERT has no generate: its forward's logits
+        out[("bert", tp)] = partita.init_inference(build("bert"), tensor_parallel={"tp_size": tp}, dtype=torch.float32)(
+            prompt()).logits
     for name in ("zero3", "tensor2", "consolidated_zero3", "export16"):
         for tp in ((1, 2, 4) if name in ("zero3", "tensor2") else (2,)):
             engine = partita.init_inference(build("llama", seed=7), checkpoint=os.path.join(root, name),
@@ -132,6 +139,14 @@ def test_tp2_and_tp4_greedy_tokens_equal_the_unsharded_model(runs, kind) -> None
     for rank, out in enumerate(per_rank):
         for tp in (2, 4):
             assert out[(kind, tp)] == want, (kind, tp, rank)
+
+
+def test_bert_logits_under_tp2_and_tp4_match_the_unsharded_model(runs) -> None:
+    _, per_rank = runs
+    want = _eval(build("bert"))(prompt()).logits
+    for out in per_rank:
+        for tp in (2, 4):  # the row-parallel sums add in another order: fp32 rounding only
+            torch.testing.assert_close(out[("bert", tp)], want, rtol=1e-5, atol=1e-5)
 
 
 def test_llama_gqa_key_projection_is_split_across_the_tensor_ranks(runs) -> None:

@@ -65,6 +65,7 @@ class InferenceEngine(nn.Module):
         self.checkpoint = config.checkpoint
         self.host_stream = None
         self._is_compiled = False
+        self._decode_caches: dict[int, Any] | None = None  # batch -> the reference GPT's reused KV cache
         self._build(model, config)
 
     # ------------------------------------------------------------------ building
@@ -125,14 +126,28 @@ class InferenceEngine(nn.Module):
         logger.info("init_inference: %s on %s", describe(cfg), device)
 
     def _compile_decoding(self, model: nn.Module, device: torch.device) -> None:
-        from partita.inference.compiled import enable_compiled_decoding
-
         if device.type != "cuda":
             warnings.warn(
                 f"init_inference: enable_cuda_graph=True has no effect on {device.type} (CUDA graphs need a CUDA "
                 "device); decoding runs eagerly, as DeepSpeed does off CUDA", stacklevel=4)
             return
-        logger.info("init_inference: %s", enable_compiled_decoding(model))
+        self._enable_compiled_decoding()
+
+    def _enable_compiled_decoding(self, **options: Any) -> None:
+        """Compile the decoding (``options``: enable_compiled_decoding's; tests pass the eager backend)."""
+        from partita.inference.compiled import enable_compiled_decoding
+
+        logger.info("init_inference: %s", enable_compiled_decoding(self.module, **options))
+        if callable(getattr(self.module, "new_kv_cache", None)):
+            # The reference GPT: one cache per batch size, reused by every generate call, so the
+            # captured decode graph's buffers keep their addresses (no re-capture per call).
+            self._decode_caches = {}
+
+    def _decode_cache(self, batch: int) -> Any:
+        if batch not in self._decode_caches:
+            size = min(self._config.max_out_tokens, self.module.config.block_size)
+            self._decode_caches[batch] = self.module.new_kv_cache(size)
+        return self._decode_caches[batch]
 
     # ------------------------------------------------------------------ DeepSpeed's surface
 
@@ -146,6 +161,9 @@ class InferenceEngine(nn.Module):
         if not callable(getattr(self.module, "generate", None)):
             raise AttributeError(f"{type(self.module).__name__} has no generate(); call the engine (its forward) instead")
         self._check_length(inputs, kwargs)
+        prompt = kwargs.get("input_ids", kwargs.get("idx", inputs[0] if inputs else None))
+        if self._decode_caches is not None and "kv_cache" not in kwargs and isinstance(prompt, torch.Tensor):
+            kwargs["kv_cache"] = self._decode_cache(prompt.shape[0])
         with torch.no_grad():
             return self.module.generate(*inputs, **kwargs)
 
