@@ -97,6 +97,25 @@ def test_greedy_generation_with_a_kv_cache_streams_every_block_once_per_token() 
     assert streamed.counters.prefetches_dropped == 0
 
 
+def test_the_reference_gpt_generates_the_same_tokens_streamed_fp32_and_int8() -> None:
+    pytest.importorskip("torchao")
+    from partita.inference.quantize import quantize_weights
+    from partita.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=LAYERS, n_embd=64, vocab_size=VOCAB, block_size=32)).eval()
+    prompt = _ids(1, 5)
+    with torch.no_grad():
+        for bits in (None, 8):
+            if bits:
+                quantize_weights(model, bits=bits)
+            want = model.generate(prompt, 6)
+            streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+            assert torch.equal(model.generate(prompt, 6), want), bits
+            assert streamed.counters.fetches == [7, 6, 6]  # its own static KV cache: one call per block and token
+            streamed.remove()
+
+
 # ----------------------------------------------------------------------------- the schedule
 
 
@@ -142,6 +161,16 @@ def test_the_weights_are_copies_while_the_unit_runs_and_host_tensors_otherwise()
         assert torch.equal(p, host[name])
     assert all(p is host[n] for n, p in block.named_parameters())  # dropped after the unit ran
     assert streamed._running == set()
+
+
+def test_a_unit_that_raises_still_gets_its_host_tensors_back() -> None:
+    model = _hf("llama")
+    streamed = HostStreamedWeights(model, "cpu", prefetch=0)
+    block = _blocks(model)[0]
+    host = dict(block.named_parameters())
+    with pytest.raises(AttributeError), torch.no_grad():
+        block("not a tensor")  # fails inside the block, after the weights were installed
+    assert all(p is host[n] for n, p in block.named_parameters()) and streamed._running == set()
 
 
 def test_embeddings_norm_and_head_stay_resident_and_tied() -> None:
