@@ -132,6 +132,19 @@ def test_tied_weights_are_counted_once() -> None:
     assert quantized_nbytes(model) == sum(unique.values())
 
 
+def test_a_weight_shared_by_two_layers_is_quantized_once_and_stays_shared() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 11), nn.Linear(11, 11), nn.Linear(11, 11))
+    model[2].weight = model[1].weight
+    x = torch.randn(3, 7)
+    ref = model(x)
+    quantize_weights(model, bits=4)  # 7 and 11 features: no group of 32 fits, so one group per row (Intx)
+    assert model[1].weight is model[2].weight
+    assert type(model[0].weight).__name__ == "IntxUnpackedToInt8Tensor"
+    with torch.no_grad():
+        assert _sqnr(ref, model(x)) > TORCHAO_SQNR
+
+
 def test_greedy_generation_of_an_int8_llama_runs_and_matches_float() -> None:
     model = _hf("llama")
     prompt = _ids(1, 6)

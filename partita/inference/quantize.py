@@ -240,7 +240,12 @@ def quantize_weights(model: nn.Module, *, bits: int = 8, group_size: int | None 
         _check_group(name or type(module).__name__, in_features, group_size, note)
         chosen.append((name, module))
 
+    done: dict[int, nn.Parameter] = {}  # id(float weight) -> its quantized Parameter: shared weights stay shared
     for name, module in chosen:
+        original = id(module.weight)
+        if original in done:
+            module.weight = done[original]
+            continue
         if _is_conv1d(module):
             replacement = _linear_from_conv1d(module)
             if name:
@@ -259,6 +264,7 @@ def quantize_weights(model: nn.Module, *, bits: int = 8, group_size: int | None 
         tq.quantize_(layer, config, filter_fn=lambda m, _fqn, layer=layer: m is layer)
         if where != home:
             layer.weight = nn.Parameter(_to(layer.weight, home), requires_grad=False)
+        done[original] = layer.weight
         logger.debug("quantize_weights: %s -> %s", name, type(layer.weight).__name__)
     return model
 
