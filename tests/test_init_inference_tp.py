@@ -82,6 +82,12 @@ def save_checkpoints(root: str) -> None:
         engine.save_checkpoint(os.path.join(root, name))
         if name == "zero3":
             engine.save_16bit_model(os.path.join(root, "export16"))
+    # A pipeline checkpoint (2 stages, keys carry each layer's global index): test_pipe_checkpoint's model.
+    from tests.test_pipe_checkpoint import _engine, _train
+
+    pipe = _engine(2, 1)
+    _train(pipe, range(1))
+    pipe.save_checkpoint(os.path.join(root, "pipe2"))
 
 
 # ------------------------------------------------------------------------------ launch 2: generate
@@ -122,7 +128,7 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("init_inference")
     run_distributed(save_checkpoints, 2, str(root), timeout=300)
-    for name in ("zero3", "tensor2"):  # the oracle's weights: an independent reader of the same files
+    for name in ("zero3", "tensor2", "pipe2"):  # the oracle's weights: an independent reader of the same files
         tag = (root / name / "latest").read_text().strip()
         consolidate(root / name / tag, root / f"consolidated_{name}")
     return root, run_distributed(generate_everything, 4, str(root), timeout=400)
@@ -153,6 +159,21 @@ def test_llama_gqa_key_projection_is_split_across_the_tensor_ranks(runs) -> None
     _, per_rank = runs
     whole = build("llama").model.layers[0].self_attn.k_proj.weight.numel()
     assert per_rank[0][("numel", 2)] * 2 == whole and per_rank[0][("numel", 4)] * 4 == whole
+
+
+def test_a_pipeline_checkpoint_loads_into_the_plain_sequential_of_its_layers(runs) -> None:
+    from partita.checkpoint.consolidate import load_consolidated
+    from tests.test_pipe_checkpoint import _reference_layers
+
+    import partita
+
+    root, _ = runs
+    want = _reference_layers()
+    want.load_state_dict(load_consolidated(root / "consolidated_pipe2"), strict=True)
+    fresh = _reference_layers()
+    engine = partita.init_inference(fresh, checkpoint=root / "pipe2", dtype=torch.float32)
+    x = prompt() % 11  # the pipeline model's vocabulary
+    assert torch.equal(engine(x), want(x)) and not torch.equal(_reference_layers()(x), want(x))
 
 
 def _checkpoint_reference(root, name: str) -> list:
