@@ -130,6 +130,40 @@ def test_counters_show_one_copy_per_unit_per_forward_and_the_prefetch(prefetch, 
     assert streamed.counters.prefetch_hits == hits
     assert streamed.counters.prefetches_issued == issued
     assert streamed.counters.copies_issued == sum(fetches)
+    assert streamed.counters.host_waits == 0  # CPU work is done when its call returns
+
+
+class _SlowEvent:
+    """A device that is always behind the host: an event completes only when waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_a_host_running_ahead_of_the_device_waits_so_at_most_prefetch_plus_two_units_are_alive() -> None:
+    model = _hf("gpt2")
+    want = _logits(model)
+    streamed = HostStreamedWeights(model, "cpu", prefetch=1)
+    streamed._new_event = lambda stream=None: _SlowEvent()
+    alive = []
+    fetch = streamed._fetch
+
+    def counting_fetch(index):
+        fetch(index)
+        alive.append(len(streamed._inflight) + len(streamed._released))
+
+    streamed._fetch = counting_fetch
+    assert torch.equal(_logits(model), want) and torch.equal(_logits(model), want)
+    # Forward 1 waits once (block 2 prefetching block 0 while blocks 0 and 1 are "still computing");
+    # forward 2 once per block.
+    assert streamed.counters.host_waits == 4
+    assert max(alive) == 3
 
 
 def test_units_run_out_of_order_drop_their_unused_prefetch() -> None:

@@ -18,8 +18,12 @@ so after the last block the next token's first block comes), makes the compute s
 ``i``'s copy with a CUDA event (never a host sync), and installs the device copies as the unit's
 parameters. Copies run on a side stream; each device tensor is ``record_stream``-ed on the compute
 stream so the caching allocator reuses its memory only after the compute that read it. A forward
-post-hook puts the host tensors back, which drops the device copies. So at most ``prefetch + 1``
-units' weights are on the device at once, plus the resident rest.
+post-hook puts the host tensors back, which drops the device copies. Kernels run asynchronously,
+so the host may reach later units' hooks long before the device has finished earlier ones; before
+each copy the host therefore waits (on the oldest released unit's event) whenever ``prefetch + 2``
+units' copies are alive: the one running, those prefetched, and released ones the device is still
+computing. That bounds the device memory of the streamed weights to ``prefetch + 2`` units, plus the
+resident rest, and the wait costs the device nothing (it has the queued units to run meanwhile).
 
 torchao-quantized weights (``quantize_weights``) stream as stored: the int8/int4 data and scales
 are copied, not a dequantized copy (:mod:`partita.inference.tensor_parts`), so a model whose bf16
@@ -35,6 +39,7 @@ swap parameters between calls) or with ZeRO-3-partitioned parameters (those are 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +68,8 @@ class StreamCounters:
     ``prefetch_hits``: pre-hooks that found their unit's copy already issued ahead;
     ``prefetches_issued``: copies issued ahead of their unit's turn; ``prefetches_dropped``: copies
     issued ahead that were dropped unused (the model ran its units in another order);
-    ``bytes_copied``: bytes of all copies.
+    ``bytes_copied``: bytes of all copies; ``host_waits``: times the host waited for the device to
+    finish a unit before copying the next (it ran ``prefetch + 2`` units ahead; see ``_throttle``).
     """
 
     fetches: list[int] = field(default_factory=list)
@@ -71,10 +77,21 @@ class StreamCounters:
     prefetches_issued: int = 0
     prefetches_dropped: int = 0
     bytes_copied: int = 0
+    host_waits: int = 0
 
     @property
     def copies_issued(self) -> int:
         return sum(self.fetches)
+
+
+class _Done:
+    """The CPU's stand-in for a CUDA event: CPU work is finished when the call returns."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
 
 
 @dataclass
@@ -124,6 +141,7 @@ class HostStreamedWeights:
         self.counters = StreamCounters(fetches=[0] * len(self._units))
         self._inflight: dict[int, tuple[list[torch.Tensor], object]] = {}  # unit -> (device copies, event)
         self._running: set[int] = set()
+        self._released: deque = deque()  # events marking the end of released units' compute
         self._handles: list = []
         self._slots = self._place(model)
         for index, unit in enumerate(self._units):
@@ -181,8 +199,33 @@ class HostStreamedWeights:
 
     # -- the schedule ---------------------------------------------------------------------------
 
+    def _new_event(self, stream=None):
+        if not self._cuda:
+            return _Done()
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _throttle(self) -> None:
+        """Keep at most ``prefetch + 2`` units' copies alive on the device (running, prefetched, and
+        released units whose compute the device has not finished yet).
+
+        Kernels are queued asynchronously, so the hooks of later units run while the device is still
+        computing earlier ones. A released unit's memory is reusable only once its compute is done
+        (``record_stream``); without a bound, every new copy would allocate fresh memory and a model
+        larger than the device would fill it. So when the host is that far ahead, it waits for the
+        oldest released unit's event: the device still has the queued units to run meanwhile, so the
+        wait takes no time from the device.
+        """
+        while self._released and self._released[0].query():
+            self._released.popleft()
+        while self._released and len(self._inflight) + len(self._released) >= self.prefetch + 2:
+            self._released.popleft().synchronize()
+            self.counters.host_waits += 1
+
     def _fetch(self, index: int) -> None:
         """Issue unit ``index``'s host-to-device copies (on the side stream, under CUDA)."""
+        self._throttle()
         copies: list[torch.Tensor] = []
         nbytes = 0
 
@@ -194,12 +237,9 @@ class HostStreamedWeights:
         if self._cuda:
             with torch.cuda.stream(self._copy_stream):
                 copies = [map_leaves(slot.host, copy) for slot in self._slots[index]]
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
         else:
             copies = [map_leaves(slot.host, copy) for slot in self._slots[index]]
-            event = None
-        self._inflight[index] = (copies, event)
+        self._inflight[index] = (copies, self._new_event(self._copy_stream))
         self.counters.fetches[index] += 1
         self.counters.bytes_copied += nbytes
 
@@ -238,7 +278,8 @@ class HostStreamedWeights:
         def post(_module, _args, _output):
             for slot in self._slots[index]:
                 slot.module._parameters[slot.name] = slot.host
-            self._inflight.pop(index, None)
+            if self._inflight.pop(index, None) is not None:
+                self._released.append(self._new_event(torch.cuda.current_stream(self.device) if self._cuda else None))
             self._running.discard(index)
 
         return post
@@ -256,6 +297,7 @@ class HostStreamedWeights:
         self._handles.clear()
         self._inflight.clear()
         self._running.clear()
+        self._released.clear()
         for unit in self._slots:
             for slot in unit:
                 host = slot.host
