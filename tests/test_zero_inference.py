@@ -32,6 +32,7 @@ def _config(offload: str | None, precision: str = "fp32") -> dict:
 
 def inference_engines() -> dict:
     import partita
+    import partita.zero
 
     rank = int(os.environ["RANK"])
     ids = _prompt(rank)
@@ -60,6 +61,11 @@ def inference_engines() -> dict:
                 call()
             except ConfigError as error:
                 errors[what] = str(error)
+        try:
+            with partita.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+                pass
+        except ConfigError as error:
+            out[f"{name}_modifier_error"] = str(error)
         out[f"{name}_errors"] = errors
         engine.destroy()
     # bf16: the shards are the model's dtype; the host holds each parameter's bytes / world size, once.
@@ -110,6 +116,8 @@ def test_training_calls_are_refused_with_the_fix(engines) -> None:
             assert set(errors) == {"backward", "step", "save_checkpoint"}
             assert all(FIX in message for message in errors.values()), errors
             assert errors["backward"].startswith("engine.backward(): this engine was built for inference only")
+            assert result[f"{name}_modifier_error"].startswith(
+                "GatheredParameters(modifier_rank=...) on an inference-only engine")
 
 
 def test_no_optimizer_below_stage_3_names_the_inference_route() -> None:

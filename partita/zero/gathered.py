@@ -98,6 +98,14 @@ class GatheredParameters:
         self._holds: list = []
 
     def __enter__(self) -> GatheredParameters:
+        if self._modifier_rank is not None and any(zero.optimizer is None for zero, _ in self._by_owner()):
+            from partita.config.base import ConfigError
+
+            raise ConfigError(
+                "GatheredParameters(modifier_rank=...) on an inference-only engine (ZeRO-3 without an optimizer): "
+                "its shards are not written back from edits; load the edited weights into the model before "
+                "partita.initialize, or use modifier_rank=None to read them"
+            )
         for zero, params in self._by_owner():
             if zero.gatherer is not None:
                 self._holds.append(HeldParameters(zero.gatherer, params).start())

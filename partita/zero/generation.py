@@ -111,9 +111,8 @@ class GenerationSessions:
                 kwargs = {"synced_gpus": True, **kwargs}
             yield kwargs
             return
-        units = [params for params in gatherer.unit_params().values() if params]
-        hold = HeldParameters(gatherer, [p for params in units for p in params])
-        hold.start(chunks=units)  # one all-gather per unit: a unit's transient buffer, not the model's
+        hold = HeldParameters(gatherer, [p for params in gatherer.unit_params().values() for p in params])
+        hold.start()  # one all-gather per unit: a unit's transient buffer, not the model's
         try:
             if hf and self._topology.tensor_size == 1:
                 kwargs = {"synced_gpus": False, **kwargs}  # no collective per token: ranks may finish apart
@@ -143,12 +142,16 @@ class GenerationSessions:
             return
         self._logged = key
         why = ("zero_optimization.stage3_generation" if forced else
-               f"{free / GIB:.2f} GiB free, {reserve / GIB:.2f} GiB reserved for KV cache and activations")
+               f"{_size(free)} free, {_size(reserve)} reserved for KV cache and activations")
         if mode == GATHER_ONCE:
-            logger.info("ZeRO-3 generate: gathered once (%.3f GiB) and held for the whole call (%s)", missing / GIB, why)
+            logger.info("ZeRO-3 generate: gathered once (%s) and held for the whole call (%s)", _size(missing), why)
         else:
-            logger.info("ZeRO-3 generate: streaming unit by unit with prefetch (the whole model, %.3f GiB, is not "
-                        "gathered: %s)", missing / GIB, why)
+            logger.info("ZeRO-3 generate: streaming unit by unit with prefetch (the whole model, %s, is not "
+                        "gathered: %s)", _size(missing), why)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _bytes_to_gather(gatherer) -> int:

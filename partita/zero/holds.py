@@ -79,13 +79,17 @@ class HeldParameters:
     def params(self) -> list[nn.Parameter]:
         return self._params
 
-    def start(self, *, chunks: Iterable[Iterable[nn.Parameter]] | None = None) -> HeldParameters:
-        """Gather and hold the parameters: all in one all-gather, or one per ``chunks`` entry
-        (a unit's parameters each: the transient gather buffer is one unit's, not the model's)."""
+    def start(self) -> HeldParameters:
+        """Gather and hold the parameters: one all-gather per unit they belong to, units in the
+        gatherer's order (the same on every rank), so the transient gather buffer is one unit's,
+        not the whole model's."""
         gatherer = self._gatherer
         self._were_whole = [p for p in self._params if gatherer.is_gathered(p)]
-        for chunk in [self._params] if chunks is None else chunks:
-            gatherer.gather(chunk)
+        wanted = set(self._params)
+        for params in gatherer.unit_params().values():
+            chunk = [p for p in params if p in wanted]
+            if chunk:
+                gatherer.gather(chunk)
         gatherer.holds.add(self._params)
         self._active = True
         return self
