@@ -261,6 +261,8 @@ def test_units_by_name_and_as_a_context_manager() -> None:
         assert torch.equal(_logits(model), want)
         assert streamed.counters.fetches == [2, 1]  # layer 0 again: prefetched after layer 2
     assert not _blocks(model)[0]._forward_pre_hooks
+    with HostStreamedWeights(model, "cpu", units=["model.layers"]) as streamed:  # a ModuleList: its children
+        assert torch.equal(_logits(model), want) and streamed.counters.fetches == [2, 1, 1]
 
 
 # Tensor parallelism: each tensor rank streaming its own int8 shards is checked in the same 2-rank run as

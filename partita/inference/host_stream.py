@@ -359,7 +359,8 @@ def _resolve_units(model: nn.Module, units) -> list[nn.Module]:
                              f"got {type(unit).__name__}")
         if unit is model:
             raise ValueError("HostStreamedWeights: the model itself cannot be a unit; pass its blocks")
-        resolved.append(unit)
+        # A ModuleList has no forward of its own (its hooks would never run): stream its children.
+        resolved.extend(unit.children() if isinstance(unit, nn.ModuleList) else [unit])
     if not resolved:
         raise ValueError("HostStreamedWeights: units is empty; pass the modules to stream, or units=None for the "
                          "children of the model's nn.ModuleLists")
