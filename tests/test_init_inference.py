@@ -110,10 +110,11 @@ REFUSALS = {
     "checkpoint_dict": ({"checkpoint": {"type": "Megatron"}}, "checkpoint = {\"type\": \"Megatron\"}: DeepSpeed's JSON "
                         "load policies (Megatron / ds_model checkpoint lists) are not read: give checkpoint=<partita "
                         "checkpoint dir> or a directory of safetensors weights"),
-    "injection_policy": ({"injection_dict": {"a": ["b"]}}, "injection_policy = \"<dict>\": partita splits layers by its "
-                         "AutoTP plans (GPT-2, Llama/Mistral/Qwen, BERT, the reference GPT); for another model call "
-                         "partita.tensor_parallel.apply_tensor_parallel(model, group=..., plan={...}) before "
-                         "init_inference and leave tp_size at 1"),
+    "injection_policy": ({"injection_dict": {"LlamaDecoderLayer": 3}}, "injection_policy = \"<value>\": "
+                         "injection_policy must map a layer class (or its name) to the name or tuple of names of its "
+                         "row-parallel linear layers, e.g. {LlamaDecoderLayer: ('self_attn.o_proj', 'mlp.down_proj')}"),
+    "injection_policy_tuple": ({"injection_policy_tuple": ("a",)}, "injection_policy_tuple = \"<tuple>\": DeepSpeed "
+                               "fills this in itself; give injection_policy instead"),
     "transposed": ({"transposed_mode": True}, "transposed_mode = true: only DeepSpeed's injected kernels have a "
                    "transposed mode; remove the key"),
     "ep_size": ({"moe": {"ep_size": 2}}, "moe.ep_size = 2: expert parallelism at inference is not implemented: every "
@@ -143,6 +144,25 @@ REFUSALS = {
 def test_deepspeed_settings_partita_does_not_do_are_refused_with_the_way_out(case) -> None:
     raw, message = REFUSALS[case]
     assert _problems(raw) == [message]
+
+
+def test_injection_policy_names_row_parallel_layers_and_every_other_linear_is_column_parallel() -> None:
+    from partita.inference.parallel import policy_plan
+
+    model = build("llama")
+    plan = policy_plan(model, {type(model.model.layers[0]): ("self_attn.o_proj", "mlp.down_proj")})
+    assert {name: style.kind for name, style in plan.styles.items() if name.startswith("model.layers.0.")} == {
+        "model.layers.0.self_attn.q_proj": "column", "model.layers.0.self_attn.k_proj": "column",
+        "model.layers.0.self_attn.v_proj": "column", "model.layers.0.self_attn.o_proj": "row",
+        "model.layers.0.mlp.gate_proj": "column", "model.layers.0.mlp.up_proj": "column",
+        "model.layers.0.mlp.down_proj": "row"}
+    assert plan.head_counts == {"num_attention_heads": 8, "num_key_value_heads": 4}
+    gpt2 = policy_plan(build("gpt2"), {"GPT2Block": ("attn.c_proj", "mlp.c_proj")})
+    assert gpt2.styles["transformer.h.1.attn.c_attn"].chunks == 3
+    with pytest.raises(ConfigError, match=r"^injection_policy: LlamaForCausalLM has no module of class GPT2Block; "):
+        policy_plan(model, {"GPT2Block": "attn.c_proj"})
+    with pytest.raises(ConfigError, match=r"^injection_policy: no layer named 'o_projection' inside LlamaDecoderLayer; "):
+        policy_plan(model, {"LlamaDecoderLayer": ("o_projection",)})
 
 
 def test_harmless_deepspeed_keys_are_accepted() -> None:

@@ -104,6 +104,11 @@ def generate_everything(root: str) -> dict:
             out[(kind, tp)] = greedy(engine)
             if kind == "llama":
                 out[("numel", tp)] = engine.module.model.layers[0].self_attn.k_proj.weight.numel()
+    policies = {"llama": {"LlamaDecoderLayer": ("self_attn.o_proj", "mlp.down_proj")},
+                "gpt2": {"GPT2Block": ("attn.c_proj", "mlp.c_proj")}}
+    for kind, policy in policies.items():  # DeepSpeed's user-specified split instead of the built-in plan
+        out[("policy", kind)] = greedy(partita.init_inference(build(kind), tensor_parallel={"tp_size": 2},
+                                                              injection_policy=policy, dtype=torch.float32))
     for tp in (2, 4):  # BERT has no generate: its forward's logits
         out[("bert", tp)] = partita.init_inference(build("bert"), tensor_parallel={"tp_size": tp}, dtype=torch.float32)(
             prompt()).logits
@@ -145,6 +150,13 @@ def test_tp2_and_tp4_greedy_tokens_equal_the_unsharded_model(runs, kind) -> None
     for rank, out in enumerate(per_rank):
         for tp in (2, 4):
             assert out[(kind, tp)] == want, (kind, tp, rank)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_deepspeeds_injection_policy_at_tp2_gives_the_unsharded_tokens(runs, kind) -> None:
+    _, per_rank = runs
+    want = greedy(_eval(build(kind)))
+    assert all(out[("policy", kind)] == want for out in per_rank)
 
 
 def test_bert_logits_under_tp2_and_tp4_match_the_unsharded_model(runs) -> None:

@@ -147,7 +147,8 @@ class InferenceConfig(StrictSection):
     return_tuple: bool = Field(True, description="Accepted: only DeepSpeed's injected layers read it.")
     training_mp_size: JsonInt = Field(1, ge=1, description="The checkpoint's tensor size; partita reads it from the checkpoint.")
     replace_method: str = Field("auto", description="Deprecated by DeepSpeed; no effect.")
-    injection_policy: Any = Field(None, description="Only null: partita's AutoTP plans choose the split.")
+    injection_policy: Any = Field(
+        None, description="{layer class or name: its row-parallel linear names}: a user-given tensor-parallel split.")
     injection_policy_tuple: Any = Field(None, description="Only null.")
     config: dict | None = Field(None, description="Accepted: DeepSpeed's injected kernels read the model config from it.")
     max_out_tokens: JsonInt = Field(1024, gt=0, description="Most tokens (prompt + generated) one generate may hold.")
@@ -356,10 +357,10 @@ def _refusals(cfg: InferenceConfig) -> list[Problem]:
     if isinstance(cfg.checkpoint, dict):
         refuse("checkpoint", cfg.checkpoint, "DeepSpeed's JSON load policies (Megatron / ds_model checkpoint lists) are "
                "not read: give checkpoint=<partita checkpoint dir> or a directory of safetensors weights")
-    if cfg.injection_policy is not None or cfg.injection_policy_tuple is not None:
-        refuse("injection_policy", "<dict>", "partita splits layers by its AutoTP plans (GPT-2, Llama/Mistral/Qwen, BERT, "
-               "the reference GPT); for another model call partita.tensor_parallel.apply_tensor_parallel(model, "
-               "group=..., plan={...}) before init_inference and leave tp_size at 1")
+    if cfg.injection_policy_tuple is not None:
+        refuse("injection_policy_tuple", "<tuple>", "DeepSpeed fills this in itself; give injection_policy instead")
+    if cfg.injection_policy is not None:
+        out.extend(_injection_policy_problems(cfg.injection_policy))
     if cfg.transposed_mode:
         refuse("transposed_mode", True, "only DeepSpeed's injected kernels have a transposed mode; remove the key")
     moe = cfg.moe if isinstance(cfg.moe, MoESection) else None
@@ -383,6 +384,20 @@ def _refusals(cfg: InferenceConfig) -> list[Problem]:
         refuse("zero.stage", cfg.zero.stage, "inference has no optimizer state or gradients to partition: use 0 "
                "(weights resident) or 3 with offload_param {\"device\": \"cpu\"} (ZeRO-Inference)")
     return out
+
+
+def _injection_policy_problems(policy: Any) -> list[Problem]:
+    """DeepSpeed's user-specified tensor parallelism: {layer class (or its name): the names, inside
+    that layer, of the linear layers whose outputs are summed over the tensor ranks}."""
+    shape = ("injection_policy must map a layer class (or its name) to the name or tuple of names of its row-parallel "
+             "linear layers, e.g. {LlamaDecoderLayer: ('self_attn.o_proj', 'mlp.down_proj')}")
+    if not isinstance(policy, Mapping) or not policy:
+        return [Problem("injection_policy", shape, "<value>")]
+    for layer, names in policy.items():
+        named = names if isinstance(names, (tuple, list)) else (names,)
+        if not (isinstance(layer, (type, str)) and named and all(isinstance(n, str) and n for n in named)):
+            return [Problem("injection_policy", shape, "<value>")]
+    return []
 
 
 def describe(cfg: InferenceConfig) -> str:

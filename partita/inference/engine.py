@@ -101,7 +101,7 @@ class InferenceEngine(nn.Module):
                                   "on the GPU (drop those keys) or use tp_size 1")
             if resident:
                 model.to(device)  # NCCL broadcasts GPU tensors: the split runs on the device
-            split_model(model, self.topology)
+            split_model(model, self.topology, cfg.injection_policy)
         if cfg.checkpoint is not None:
             from partita.inference.checkpoint import load_weights
 

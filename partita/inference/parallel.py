@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,12 @@ from partita.config.base import ConfigError
 from partita.distributed import collectives
 from partita.distributed.topology import Axis, Topology, build_topology, resolve_mesh_shape
 
+if TYPE_CHECKING:
+    from partita.tensor_parallel.apply import TensorParallelPlan
+
 logger = logging.getLogger("partita")
 
-__all__ = ["build_inference_topology", "split_model", "valid_tp_sizes"]
+__all__ = ["build_inference_topology", "policy_plan", "split_model", "valid_tp_sizes"]
 
 
 def build_inference_topology(tp_size: int, device: torch.device) -> Topology | None:
@@ -53,16 +57,17 @@ def valid_tp_sizes(counts: dict[str, int], limit: int = 64) -> list[int]:
     return [k for k in range(1, min(common, limit) + 1) if common % k == 0]
 
 
-def split_model(module: nn.Module, topology: Topology) -> dict[str, str]:
-    """Split ``module`` across ``topology``'s tensor axis with its built-in plan; returns module
-    name -> style. Raises ConfigError for an unknown architecture or a size that does not fit."""
+def split_model(module: nn.Module, topology: Topology, injection_policy=None) -> dict[str, str]:
+    """Split ``module`` across ``topology``'s tensor axis with its built-in plan (or the plan
+    ``injection_policy`` describes); returns module name -> style. Raises ConfigError for an
+    unknown architecture or a size that does not fit."""
     from partita.tensor_parallel.apply import apply_tensor_parallel
     from partita.tensor_parallel.autotp import fix_attention_widths
     from partita.tensor_parallel.plans import plan_for
 
     size = topology.tensor_size
     try:
-        plan = plan_for(module, sequence_parallel=False)
+        plan = plan_for(module, sequence_parallel=False) if injection_policy is None else policy_plan(module, injection_policy)
     except NotImplementedError as error:
         raise ConfigError(f"tensor_parallel.tp_size = {size}: {error}") from None
     if plan is None:
@@ -87,6 +92,44 @@ def split_model(module: nn.Module, topology: Topology) -> dict[str, str]:
     split = sum(1 for style in result.styles.values() if style in ("column", "row", "embedding"))
     logger.info("init_inference: %s; %d layers split across %d tensor ranks", topology.describe(), split, size)
     return result.styles
+
+
+# Fused q/k/v projections by name: split chunk by chunk so every rank keeps whole heads of each.
+_FUSED_QKV = ("c_attn", "qkv", "query_key_value")
+
+
+def policy_plan(module: nn.Module, policy) -> "TensorParallelPlan":
+    """DeepSpeed's ``injection_policy``: inside every module of a listed layer class, the linear
+    layers named in its tuple are row-parallel (their partial outputs are summed across the tensor
+    ranks) and every other linear layer is column-parallel, as DeepSpeed's user-specified tensor
+    parallelism splits them. Head counts are checked from the model's config where it has them."""
+    from partita.tensor_parallel.apply import Style, TensorParallelPlan
+    from partita.tensor_parallel.autotp import is_hf_conv1d
+
+    modules = list(module.named_modules())
+    styles: dict[str, Style] = {}
+    for layer, names in policy.items():
+        names = tuple(names) if isinstance(names, (tuple, list)) else (names,)
+        label = layer.__name__ if isinstance(layer, type) else layer
+        owners = [(n, m) for n, m in modules if (type(m) is layer if isinstance(layer, type) else type(m).__name__ == layer)]
+        if not owners:
+            raise ConfigError(f"injection_policy: {type(module).__name__} has no module of class {label}; name the class "
+                              "of its transformer layers (e.g. LlamaDecoderLayer)")
+        for name in names:
+            if not any(sub == name or sub.endswith("." + name) for _, owner in owners for sub, _ in owner.named_modules()):
+                raise ConfigError(f"injection_policy: no layer named {name!r} inside {label}; give the names of its "
+                                  "row-parallel linear layers as they appear in named_modules() (e.g. 'self_attn.o_proj')")
+        for prefix, owner in owners:
+            for sub, child in owner.named_modules():
+                if not (isinstance(child, nn.Linear) or is_hf_conv1d(child)):
+                    continue
+                row = any(sub == name or sub.endswith("." + name) for name in names)
+                fused = not row and sub.rsplit(".", 1)[-1] in _FUSED_QKV
+                styles[f"{prefix}.{sub}" if prefix else sub] = Style("row" if row else "column", chunks=3 if fused else 1)
+    config = getattr(module, "config", None)
+    counts = {a: int(getattr(config, a)) for a in ("n_head", "num_attention_heads", "num_key_value_heads")
+              if isinstance(getattr(config, a, None), int)}
+    return TensorParallelPlan(styles, head_counts=counts)
 
 
 @torch.no_grad()
