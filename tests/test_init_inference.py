@@ -182,6 +182,20 @@ def test_cuda_graph_with_tensor_parallelism_or_streaming_is_refused_before_anyth
                                zero={"stage": 3, "offload_param": {"device": "cpu"}})
 
 
+def test_a_model_holding_zero3_shards_or_meta_parameters_is_refused() -> None:
+    from partita.zero.freed import free_param
+
+    model = build("gpt")
+    free_param(model.lm_head.weight, "a ZeRO-3 shard for this test")
+    with pytest.raises(ConfigError, match=r"^init_inference: the model's parameters are ZeRO-3 shards \(a training "
+                                          r"engine's module, or a model built under partita\.zero\.Init\); generate from"):
+        partita.init_inference(model, **FP32)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"^init_inference: the model has parameters on the meta device"):
+        partita.init_inference(meta, **FP32)
+
+
 def test_tp_size_above_one_in_a_single_process_says_how_to_launch() -> None:
     with pytest.raises(ConfigError, match=r"^tensor_parallel\.tp_size = 2 does not divide the 1 launched process\(es\); "
                                           r"launch a multiple of 2 processes \(partita run --nproc 2"):

@@ -77,6 +77,13 @@ class InferenceEngine(nn.Module):
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("init_inference: the model has parameters on the meta device; build it on the CPU (its "
                               "weights are then replaced by checkpoint=...)")
+        from partita.zero.freed import is_freed
+
+        if any(is_freed(p) for p in model.parameters()):
+            raise ConfigError(
+                "init_inference: the model's parameters are ZeRO-3 shards (a training engine's module, or a model built "
+                "under partita.zero.Init); generate from the training engine (engine.generate / engine.module.generate), "
+                "or build the model plainly and pass checkpoint=<the engine's save_checkpoint dir>")
         tp = cfg.tp_size
         if cfg.enable_cuda_graph and tp > 1:
             raise ConfigError(f"enable_cuda_graph with tensor_parallel.tp_size = {tp} is not supported yet (DeepSpeed "
