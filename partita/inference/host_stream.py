@@ -120,7 +120,8 @@ class HostStreamedWeights:
     def __init__(self, model: nn.Module, device: torch.device | str, *, units=None, prefetch: int = 1,
                  pin_memory: bool = True) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"HostStreamedWeights: prefetch must be an int >= 0 (units copied ahead), got {prefetch!r}")
+            raise ValueError(
+                f"HostStreamedWeights: prefetch must be an int >= 0 (units copied ahead), got {prefetch!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
