@@ -213,3 +213,37 @@ def test_stages_1_2_and_tensor_parallel_generate_the_unsharded_tokens() -> None:
         for key in ("stage1", "stage1_engine", "stage2", "stage2_engine"):
             assert result[key] == result["want"], key
         assert result["tp"] == result["tp_want"]
+
+
+def gpt_sessions() -> dict:
+    """The reference GPT (partita/models/gpt.py: a static KV cache, its own generate) at ZeRO-3."""
+    import partita
+    from partita.models.gpt import GPT, GPTConfig
+
+    def build() -> GPT:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32))
+
+    rank = int(os.environ["RANK"])
+    ids = torch.randint(0, 64, (2, PROMPT), generator=torch.Generator().manual_seed(rank))
+    want = build().generate(ids, NEW[rank]).tolist()
+    out = {"want": want}
+    counter = _GatherCounter()
+    for mode in ("gather_once", "stream"):
+        engine, _, _, _ = partita.initialize(model=build(), config=_config(3, mode=mode))
+        units = sum(1 for params in engine.zero.gatherer.unit_params().values() if params)
+        counter.take()
+        out[mode] = engine.generate(ids, NEW[rank]).tolist()
+        out[f"{mode}_module"] = engine.module.generate(ids, max_new_tokens=NEW[rank]).tolist()
+        out[f"{mode}_gathers"], out["units"] = counter.take(), units
+        engine.destroy()
+    return out
+
+
+def test_reference_gpt_generates_the_unsharded_tokens_at_zero3() -> None:
+    for rank, result in enumerate(run_distributed(gpt_sessions, 2, timeout=300)):
+        for key in ("gather_once", "gather_once_module", "stream", "stream_module"):
+            assert result[key] == result["want"], (rank, key)
+        assert result["gather_once_gathers"] == 2 * result["units"]  # two calls, one gather of each unit each
+        # Streaming: every rank runs the longer rank's 1 prefill + 10 decode steps per call (synced_gpus).
+        assert result["stream_gathers"] == 2 * 11 * result["units"]

@@ -15,8 +15,8 @@ and picks one of two ways:
 - ``stream``: units are gathered per forward as in any eval forward, with the next units'
   gathers (and host-to-device copies of offloaded shards) started while the current one runs
   (partita/zero/eval_prefetch.py). Costs only ``stage3_prefetch_bucket_size`` elements of extra
-  memory, but every rank must run every forward: at world size > 1 a Hugging Face model's
-  ``generate`` gets ``synced_gpus=True`` unless the caller set it.
+  memory, but every rank must run every forward: at world size > 1 a Hugging Face model's (or the
+  reference GPT's) ``generate`` gets ``synced_gpus=True`` unless the caller set it.
 
 ``zero_optimization.stage3_generation`` picks: "gather_once", "stream", or "auto" (the default):
 gather once when the bytes still to gather, plus a reserve for the KV cache and activations,
@@ -98,23 +98,23 @@ class GenerationSessions:
     def _session(self, args: tuple, kwargs: dict) -> Iterator[dict]:
         gatherer = self._zero.gatherer
         world = self._topology.world_size
-        hf = _is_hf_generator(self._module)
+        syncable = _takes_synced_gpus(self._module)
         if gatherer is None:
-            if hf and world > 1 and self._topology.tensor_size > 1:
+            if syncable and world > 1 and self._topology.tensor_size > 1:
                 kwargs = {"synced_gpus": True, **kwargs}
             yield kwargs
             return
         mode = self._choose(gatherer, args, kwargs)
         self.last_mode = mode
         if mode == STREAM:
-            if hf and world > 1:
+            if syncable and world > 1:
                 kwargs = {"synced_gpus": True, **kwargs}
             yield kwargs
             return
         hold = HeldParameters(gatherer, [p for params in gatherer.unit_params().values() for p in params])
         hold.start()  # one all-gather per unit: a unit's transient buffer, not the model's
         try:
-            if hf and self._topology.tensor_size == 1:
+            if syncable and self._topology.tensor_size == 1:
                 kwargs = {"synced_gpus": False, **kwargs}  # no collective per token: ranks may finish apart
             yield kwargs
         finally:
@@ -201,10 +201,14 @@ def _first_int(config: Any, *names: str) -> int | None:
     return None
 
 
-def _is_hf_generator(module: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    mixin = getattr(transformers, "GenerationMixin", None) if transformers is not None else None
-    return mixin is not None and isinstance(module, mixin)
+def _takes_synced_gpus(module: nn.Module) -> bool:
+    """Hugging Face's GenerationMixin and the reference GPT (partita/models/gpt_generate.py) take
+    ``synced_gpus``; only those are passed it (looked up without importing either)."""
+    for module_name, class_name in (("transformers", "GenerationMixin"), ("partita.models.gpt", "GPT")):
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(module, cls):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------- module.generate
