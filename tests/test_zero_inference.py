@@ -1,5 +1,6 @@
 """ZeRO-Inference through ``partita.initialize`` without an optimizer (issue 28 item 3): every
-parameter sharded, no fp32 masters; weights streamed from host memory (offload_param cpu) give the
+parameter sharded, no fp32 masters; weights streamed from host memory or swap files (offload_param cpu,
+nvme) give the
 logits resident shards and an unsharded model give, exactly; eval forwards prefetch the next
 units; generate works; what needs an optimizer is refused with the fix."""
 
@@ -20,17 +21,20 @@ from tests.test_zero3_generate import _build, _greedy, _prompt  # noqa: E402
 FIX = 'add an "optimizer" section to the config'
 
 
-def _config(offload: str | None, precision: str = "fp32") -> dict:
+def _config(offload: str | None, precision: str = "fp32", nvme_path: str = "") -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    if offload is not None:
+    if offload == "cpu":
         zero["offload_param"] = {"device": offload, "pin_memory": True}
+    elif offload == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2, "buffer_size": 100_000,
+                                 "max_in_cpu": 0}
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "steps_per_print": 1000}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
 
 
-def inference_engines() -> dict:
+def inference_engines(nvme_path: str) -> dict:
     import partita
     import partita.zero
 
@@ -40,8 +44,9 @@ def inference_engines() -> dict:
     with torch.no_grad():
         want_logits = reference(input_ids=ids).logits
     out = {"want_tokens": _greedy(reference.generate, ids, 6)}
-    for offload in (None, "cpu"):
-        engine, optimizer, _, scheduler = partita.initialize(model=_build("llama"), config=_config(offload))
+    for offload in (None, "cpu", "nvme"):
+        engine, optimizer, _, scheduler = partita.initialize(model=_build("llama"),
+                                                             config=_config(offload, nvme_path=nvme_path))
         engine.eval()
         gatherer = engine.zero.gatherer
         name = offload or "resident"
@@ -53,6 +58,7 @@ def inference_engines() -> dict:
         out[f"{name}_tokens"] = _greedy(engine.module.generate, ids, 6)
         out[f"{name}_returned"] = (optimizer, scheduler, engine.optimizer)
         out[f"{name}_freed"] = gatherer.num_gathered()
+        out[f"{name}_host_elements"] = sum(g.master.numel() for g in gatherer.storage.groups)
         errors = {}
         loss = engine(input_ids=ids, labels=ids).loss
         for what, call in {"backward": lambda: engine.backward(loss), "step": engine.step,
@@ -78,27 +84,28 @@ def inference_engines() -> dict:
 
 
 @pytest.fixture(scope="module")
-def engines() -> list[dict]:
-    return run_distributed(inference_engines, 2, timeout=300)
+def engines(tmp_path_factory) -> list[dict]:
+    return run_distributed(inference_engines, 2, str(tmp_path_factory.mktemp("swap")), timeout=300)
 
 
 def test_streamed_and_resident_logits_equal_the_unsharded_model_exactly(engines) -> None:
     for result in engines:
         assert result["resident_location"] == "accelerator" and result["cpu_location"] == "cpu"
-        assert result["resident_exact"] and result["cpu_exact"]
+        assert result["nvme_location"] == "nvme" and result["nvme_host_elements"] == 0  # in the swap files only
+        assert result["resident_exact"] and result["cpu_exact"] and result["nvme_exact"]
 
 
 def test_zero_inference_generates_the_unsharded_tokens(engines) -> None:
     for result in engines:
         assert result["resident_tokens"] == result["want_tokens"]
-        assert result["cpu_tokens"] == result["want_tokens"]
-        assert result["resident_freed"] == result["cpu_freed"] == 0
+        assert result["cpu_tokens"] == result["nvme_tokens"] == result["want_tokens"]
+        assert result["resident_freed"] == result["cpu_freed"] == result["nvme_freed"] == 0
 
 
 def test_eval_forwards_prefetch_the_next_units_after_the_first(engines) -> None:
     for result in engines:
         # Units: the root and 2 layers. Forward 1 records the order; forwards 2 and 3 prefetch both layers.
-        assert result["cpu_prefetches"] == result["resident_prefetches"] == 4
+        assert result["cpu_prefetches"] == result["nvme_prefetches"] == result["resident_prefetches"] == 4
 
 
 def test_no_optimizer_no_fp32_masters(engines) -> None:
@@ -111,7 +118,7 @@ def test_no_optimizer_no_fp32_masters(engines) -> None:
 
 def test_training_calls_are_refused_with_the_fix(engines) -> None:
     for result in engines:
-        for name in ("resident", "cpu"):
+        for name in ("resident", "cpu", "nvme"):
             errors = result[f"{name}_errors"]
             assert set(errors) == {"backward", "step", "save_checkpoint"}
             assert all(FIX in message for message in errors.values()), errors
