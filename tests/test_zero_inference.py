@@ -1,8 +1,7 @@
 """ZeRO-Inference through ``partita.initialize`` without an optimizer (issue 28 item 3): every
-parameter sharded, no fp32 masters; weights streamed from host memory or swap files (offload_param cpu,
-nvme) give the
-logits resident shards and an unsharded model give, exactly; eval forwards prefetch the next
-units; generate works; what needs an optimizer is refused with the fix."""
+parameter sharded, no fp32 masters; weights streamed from host memory or swap files (offload_param
+cpu, nvme) give the logits resident shards and an unsharded model give, exactly; eval forwards
+prefetch the next units; generate works; what needs an optimizer is refused with the fix."""
 
 from __future__ import annotations
 
