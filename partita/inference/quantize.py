@@ -241,6 +241,7 @@ def quantize_weights(model: nn.Module, *, bits: int = 8, group_size: int | None 
         chosen.append((name, module))
 
     done: dict[int, nn.Parameter] = {}  # id(float weight) -> its quantized Parameter: shared weights stay shared
+    formats: dict[str, int] = {}
     for name, module in chosen:
         original = id(module.weight)
         if original in done:
@@ -265,7 +266,11 @@ def quantize_weights(model: nn.Module, *, bits: int = 8, group_size: int | None 
         if where != home:
             layer.weight = nn.Parameter(_to(layer.weight, home), requires_grad=False)
         done[original] = layer.weight
-        logger.debug("quantize_weights: %s -> %s", name, type(layer.weight).__name__)
+        formats[type(layer.weight).__name__] = formats.get(type(layer.weight).__name__, 0) + 1
+    kept = [n for n, m in model.named_modules() if id(getattr(m, "weight", None)) in skip and not _is_embedding(m)]
+    logger.info("quantize_weights: int%d weights in %s; kept in full precision: %s", bits,
+                ", ".join(f"{k} layers of {v}" for v, k in sorted(formats.items())) or "no layer",
+                ", ".join(kept) or "nothing")
     return model
 
 
