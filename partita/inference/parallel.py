@@ -69,7 +69,9 @@ def split_model(module: nn.Module, topology: Topology, injection_policy=None) ->
     try:
         plan = plan_for(module, sequence_parallel=False) if injection_policy is None else policy_plan(module, injection_policy)
     except NotImplementedError as error:
-        raise ConfigError(f"tensor_parallel.tp_size = {size}: {error}") from None
+        # The plan's message speaks of the training key; init_inference's is tp_size.
+        why = str(error).replace("tensor_parallel.autotp_size", "tensor_parallel.tp_size")
+        raise ConfigError(f"tensor_parallel.tp_size = {size}: {why}") from None
     if plan is None:
         raise ConfigError(
             f"tensor_parallel.tp_size = {size}: partita has no tensor-parallel plan for {type(module).__name__} (it "
