@@ -31,6 +31,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "init_inference": ("partita.inference.engine", "init_inference"),
     "InferenceEngine": ("partita.inference.engine", "InferenceEngine"),
     "DeepSpeedInferenceConfig": ("partita.inference.config", "InferenceConfig"),
+    "default_inference_config": ("partita.inference.config", "default_inference_config"),
 }
 # DeepSpeed's top-level aliases of names inside a subpackage partita may have (pipeline
 # parallelism is being added): resolved from that package when it exists, else reported missing.

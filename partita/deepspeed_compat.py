@@ -34,10 +34,6 @@ _PIPE = (
 # A subpackage listed here (pipe, moe, sequence) is only reported missing while partita has no
 # package of that name: partita/__init__.py looks for the package first.
 TOP_LEVEL: dict[str, str] = {
-    "default_inference_config": (
-        "deepspeed.default_inference_config() is not in partita: partita.inference.InferenceConfig().model_dump() "
-        "lists init_inference's keys and defaults"
-    ),
     "module_inject": f"deepspeed.module_inject (kernel injection): {_INFERENCE}",
     "add_tuning_arguments": (
         "deepspeed.add_tuning_arguments (the DeepSpeed autotuner's flags): partita has no autotuner; "

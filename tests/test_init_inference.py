@@ -51,6 +51,9 @@ def test_config_and_kwargs_merge_and_a_conflict_is_deepspeeds_value_error(tmp_pa
 
 
 def test_defaults_are_deepspeeds() -> None:
+    defaults = partita.default_inference_config()
+    assert defaults["dtype"] is torch.float16 and defaults["max_out_tokens"] == 1024
+    assert defaults["tensor_parallel"]["tp_size"] == 1 and defaults["replace_with_kernel_inject"] is False
     cfg = parse_inference_config({})
     assert (cfg.torch_dtype, cfg.max_out_tokens, cfg.min_out_tokens, cfg.tp_size, cfg.enable_cuda_graph) == (
         torch.float16, 1024, 1, 1, False)
@@ -200,6 +203,9 @@ def test_tp_size_above_one_in_a_single_process_says_how_to_launch() -> None:
     with pytest.raises(ConfigError, match=r"^tensor_parallel\.tp_size = 2 does not divide the 1 launched process\(es\); "
                                           r"launch a multiple of 2 processes \(partita run --nproc 2"):
         partita.init_inference(build("llama"), tensor_parallel={"tp_size": 2}, **FP32)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # refused before any process group started
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -232,6 +238,16 @@ def test_the_engine_falls_through_to_the_module_and_casts_to_dtype() -> None:
     default = partita.init_inference(build("llama"))
     assert {p.dtype for p in default.module.parameters()} == {torch.float16}  # DeepSpeed's default dtype
     assert partita.InferenceEngine is type(engine) and partita.DeepSpeedInferenceConfig is type(engine._config)
+
+
+def test_engine_compile_is_deepspeeds_whole_module_compile() -> None:
+    engine = partita.init_inference(build("gpt"), **FP32)
+    x = prompt()
+    want = engine(x)[0]
+    torch._dynamo.reset()
+    engine.compile(backend="eager")
+    assert engine.is_compiled and torch.equal(engine(x)[0], want)
+    torch._dynamo.reset()
 
 
 def test_generate_refuses_more_tokens_than_max_out_tokens() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["InferenceConfig", "InferenceEngine", "init_inference"]
+__all__ = ["InferenceConfig", "InferenceEngine", "default_inference_config", "init_inference"]
 
 _LAZY = {
     "init_inference": ("partita.inference.engine", "init_inference"),
@@ -22,6 +22,7 @@ _LAZY = {
     "InferenceConfig": ("partita.inference.config", "InferenceConfig"),
     # DeepSpeed's name of the config class.
     "DeepSpeedInferenceConfig": ("partita.inference.config", "InferenceConfig"),
+    "default_inference_config": ("partita.inference.config", "default_inference_config"),
 }
 
 

@@ -28,7 +28,8 @@ from pydantic import BaseModel, Field, ValidationError
 from partita.config.base import ConfigError, JsonInt, Problem, StrictSection, describe_field
 from partita.config.suggest import did_you_mean
 
-__all__ = ["DTYPES", "InferenceConfig", "describe", "merge_config_and_kwargs", "parse_inference_config"]
+__all__ = ["DTYPES", "InferenceConfig", "default_inference_config", "describe", "merge_config_and_kwargs",
+           "parse_inference_config"]
 
 # DeepSpeed's DtypeEnum spellings (deepspeed/inference/config.py), each mapped to its torch dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -398,6 +399,13 @@ def _injection_policy_problems(policy: Any) -> list[Problem]:
         if not (isinstance(layer, (type, str)) and named and all(isinstance(n, str) and n for n in named)):
             return [Problem("injection_policy", shape, "<value>")]
     return []
+
+
+def default_inference_config() -> dict:
+    """DeepSpeed's ``deepspeed.default_inference_config()``: every key with its default (dtype as a torch dtype)."""
+    defaults = InferenceConfig().model_dump()
+    defaults["dtype"] = DTYPES[defaults["dtype"]]
+    return defaults
 
 
 def describe(cfg: InferenceConfig) -> str:

@@ -36,11 +36,11 @@ def build_inference_topology(tp_size: int, device: torch.device) -> Topology | N
     at tp 1 that has no process group (nothing to start then, as DeepSpeed starts none)."""
     from partita.distributed.init import detect_launch_env, init_distributed
 
-    if tp_size == 1 and not dist.is_initialized() and detect_launch_env().world_size == 1:
+    world = dist.get_world_size() if dist.is_initialized() else detect_launch_env().world_size
+    if tp_size == 1 and not dist.is_initialized() and world == 1:
         return None
-    init_distributed(backend="auto")
-    world = dist.get_world_size()
     try:
+        # Checked before any process group starts: a refused call leaves none behind.
         resolve_mesh_shape(world_size=world, sizes={Axis.DATA: None, Axis.TENSOR: tp_size})
     except ValueError:
         raise ConfigError(
@@ -48,6 +48,7 @@ def build_inference_topology(tp_size: int, device: torch.device) -> Topology | N
             f"of {tp_size} processes (partita run --nproc {tp_size} / torchrun --nproc-per-node {tp_size}) or set "
             f"tp_size to a divisor of {world}"
         ) from None
+    init_distributed(backend="auto")
     return build_topology(device_type=device.type, sizes={Axis.TENSOR: tp_size})
 
 
