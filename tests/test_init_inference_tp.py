@@ -121,6 +121,12 @@ def generate_everything(root: str) -> dict:
     for kind, policy in policies.items():  # DeepSpeed's user-specified split instead of the built-in plan
         out[("policy", kind)] = greedy(partita.init_inference(build(kind), tensor_parallel={"tp_size": 2},
                                                               injection_policy=policy, dtype=torch.float32))
+    # int8 weights of this rank's shards, and weights streamed from host memory, under tp 2.
+    int8 = partita.init_inference(build("llama"), tensor_parallel={"tp_size": 2}, dtype=torch.int8)
+    out["int8"] = (type(int8.module.model.layers[0].self_attn.o_proj.weight).__module__, len(greedy(int8)[0]))
+    streamed = partita.init_inference(build("llama"), tensor_parallel={"tp_size": 2}, dtype=torch.float32,
+                                      zero={"stage": 3, "offload_param": {"device": "cpu"}})
+    out["streamed"] = greedy(streamed)
     for tp in (2, 4):  # BERT has no generate: its forward's logits
         out[("bert", tp)] = partita.init_inference(build("bert"), tensor_parallel={"tp_size": tp}, dtype=torch.float32)(
             prompt()).logits
@@ -175,6 +181,15 @@ def test_deepspeeds_injection_policy_at_tp2_gives_the_unsharded_tokens(runs, kin
     _, per_rank = runs
     want = greedy(_eval(build(kind)))
     assert all(out[("policy", kind)] == want for out in per_rank)
+
+
+def test_int8_and_streamed_weights_work_under_tp2(runs) -> None:
+    _, per_rank = runs
+    want = greedy(_eval(build("llama")))
+    for out in per_rank:
+        module, length = out["int8"]
+        assert module.startswith("torchao") and length == 5 + NEW
+        assert out["streamed"] == want  # streaming moves the same weights: the same tokens
 
 
 def test_bert_logits_under_tp2_and_tp4_match_the_unsharded_model(runs) -> None:
