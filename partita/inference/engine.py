@@ -73,12 +73,11 @@ class InferenceEngine(nn.Module):
     def _build(self, model: nn.Module, cfg: InferenceConfig) -> None:
         from partita.distributed.init import current_device
         from partita.inference.parallel import build_inference_topology, split_model
+        from partita.zero.freed import is_freed
 
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("init_inference: the model has parameters on the meta device; build it on the CPU (its "
                               "weights are then replaced by checkpoint=...)")
-        from partita.zero.freed import is_freed
-
         if any(is_freed(p) for p in model.parameters()):
             raise ConfigError(
                 "init_inference: the model's parameters are ZeRO-3 shards (a training engine's module, or a model built "
@@ -95,9 +94,9 @@ class InferenceEngine(nn.Module):
                               "set one of them off")
         device = current_device()
         self.device = device
+        self.topology = build_inference_topology(tp, device)  # refuses a tp_size the launch cannot hold
         if self.dtype is not torch.int8:
             model.to(dtype=self.dtype)
-        self.topology = build_inference_topology(tp, device)
         self.mp_world_size = tp
         self.mp_group = self.topology.tensor_group if self.topology is not None and tp > 1 else None
         resident = device.type == "cuda" and not cfg.keep_module_on_host and not cfg.streams_weights
