@@ -29,12 +29,13 @@ margin of 10% of the model's gathered bytes and at least 256 MiB for activations
 The choice is logged on rank 0 when it changes ("ZeRO-3 generate: gathered once (X GiB)" or
 "ZeRO-3 generate: streaming ...").
 
-Stages 0-2 and tensor parallelism need no session of their own: the weights (or this rank's
-tensor shard of them) are whole already; ``generate`` runs the module's as it is. The session
-still runs generation under ``torch.no_grad()`` (a training forward with autograd would take the
-training paths: per-forward rank checks, gradient hooks) and, with tensor parallelism at world
-size > 1, passes ``synced_gpus=True`` to Hugging Face models (every forward's tensor-parallel
-all-reduces need every rank of the tensor group).
+Stages 0-2 and tensor parallelism need no gathering: the weights (or this rank's tensor shard of
+them) are whole already; ``generate`` runs the module's as it is. The session still runs
+generation under ``torch.no_grad()`` (a training forward with autograd would take the training
+paths: per-forward rank checks, gradient hooks) and, when the model's own forwards run
+collectives (tensor or sequence parallelism, experts spread over ranks) at world size > 1,
+passes ``synced_gpus=True`` to Hugging Face models and the reference GPT at every stage: every
+rank of those groups must run every forward.
 
 [Note: the module's generate attribute]
 ``engine.module.generate(...)`` is the call TRL, OpenRLHF and most RLHF loops make. A method of
@@ -97,26 +98,25 @@ class GenerationSessions:
     @contextlib.contextmanager
     def _session(self, args: tuple, kwargs: dict) -> Iterator[dict]:
         gatherer = self._zero.gatherer
-        world = self._topology.world_size
+        multi = self._topology.world_size > 1
+        # Collectives inside every forward (tensor or sequence parallelism, expert all-to-alls): every
+        # rank must run every forward, whatever ZeRO does.
+        lockstep = multi and (self._topology.tensor_size > 1 or self._topology.sequence_size > 1
+                              or _has_expert_parallelism(self._module))
         syncable = _takes_synced_gpus(self._module)
         if gatherer is None:
-            if syncable and world > 1 and self._topology.tensor_size > 1:
-                kwargs = {"synced_gpus": True, **kwargs}
-            yield kwargs
+            yield {"synced_gpus": True, **kwargs} if syncable and lockstep else kwargs
             return
         mode = self._choose(gatherer, args, kwargs)
         self.last_mode = mode
-        if mode == STREAM:
-            if syncable and world > 1:
-                kwargs = {"synced_gpus": True, **kwargs}
-            yield kwargs
+        if mode == STREAM:  # every forward gathers: a collective
+            yield {"synced_gpus": True, **kwargs} if syncable and multi else kwargs
             return
         hold = HeldParameters(gatherer, [p for params in gatherer.unit_params().values() for p in params])
         hold.start()  # one all-gather per unit: a unit's transient buffer, not the model's
         try:
-            if syncable and self._topology.tensor_size == 1:
-                kwargs = {"synced_gpus": False, **kwargs}  # no collective per token: ranks may finish apart
-            yield kwargs
+            # No collective per token from ZeRO: ranks may finish apart (unless the model's own forwards sync).
+            yield {"synced_gpus": lockstep, **kwargs} if syncable else kwargs
         finally:
             hold.end()
 
@@ -199,6 +199,12 @@ def _first_int(config: Any, *names: str) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _has_expert_parallelism(module: nn.Module) -> bool:
+    """A partita MoE layer with experts spread over ranks: its forward runs all-to-alls."""
+    moe = getattr(sys.modules.get("partita.moe.layer"), "MoE", None)
+    return moe is not None and any(isinstance(m, moe) and m.ep_size > 1 for m in module.modules())
 
 
 def _takes_synced_gpus(module: nn.Module) -> bool:
