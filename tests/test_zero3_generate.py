@@ -134,8 +134,25 @@ def zero3_streaming(family: str) -> dict:
     counter.take()
     prefetches = gatherer.eval_prefetch.prefetch_count
     got = _greedy(engine.module.generate, ids, new)  # rank 0 finishes early: synced_gpus keeps it forwarding
-    return {"want": want, "got": got, "mode": engine.generation_mode, "gathers": counter.take(), "units": units,
-            "prefetches": gatherer.eval_prefetch.prefetch_count - prefetches, "freed_after": gatherer.num_gathered()}
+    out = {"want": want, "got": got, "mode": engine.generation_mode, "gathers": counter.take(), "units": units,
+           "prefetches": gatherer.eval_prefetch.prefetch_count - prefetches, "freed_after": gatherer.num_gathered()}
+    # "auto": rank 1 alone has too little free memory for the whole model; both ranks must stream.
+    import logging
+
+    from partita.zero import generation
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("partita").addHandler(handler)
+    auto, _, _, _ = partita.initialize(model=_build(family), config=_config(3))
+    auto.eval()
+    if rank == 1:
+        generation._free_bytes = lambda device: 1024
+    out["auto_tokens"] = _greedy(auto.generate, ids, new)
+    out["auto_mode"] = auto.generation_mode
+    out["logged"] = [r for r in records if r.startswith("ZeRO-3 generate")]
+    return out
 
 
 def other_layouts(family: str) -> dict:
@@ -197,13 +214,19 @@ def test_module_generate_wrapper_keeps_state_dict_and_is_undone_by_destroy(sessi
 
 @pytest.mark.parametrize("family", ["gpt2"])
 def test_streaming_prefetches_and_syncs_ranks_that_finish_apart(family) -> None:
-    for rank, result in enumerate(run_distributed(zero3_streaming, 2, family, timeout=300)):
+    run = run_distributed(zero3_streaming, 2, family, timeout=300)
+    for rank, result in enumerate(run):
         assert result["mode"] == "stream"
         assert result["got"] == result["want"]
         # Every rank ran the longer rank's forwards (synced_gpus): one prefill + 10 decode steps, each unit once.
         assert result["gathers"] == 11 * result["units"], result
         assert result["prefetches"] >= 10 * (result["units"] - 1), result
         assert result["freed_after"] == 0
+        assert result["auto_mode"] == "stream" and result["auto_tokens"] == result["want"]
+    assert rank == 1 and result["logged"] == []  # rank 0 logs
+    logged = run[0]["logged"]
+    assert len(logged) == 1 and logged[0].startswith("ZeRO-3 generate: streaming unit by unit with prefetch"), logged
+    assert logged[0].endswith("reserved for KV cache and activations; it fits here but not on another rank)"), logged
 
 
 def test_stages_1_2_and_tensor_parallel_generate_the_unsharded_tokens() -> None:

@@ -128,21 +128,24 @@ class GenerationSessions:
         device = gatherer.storage.device
         free = _free_bytes(device)
         reserve = _reserve_bytes(self._module, args, kwargs, missing)
-        fits = torch.tensor([1.0 if missing + reserve <= free else 0.0], device=device)
+        local_fits = missing + reserve <= free
+        fits = torch.tensor([1.0 if local_fits else 0.0], device=device)
         if self._topology.world_size > 1:  # every rank must choose the same way (gathers are collectives)
             collectives.all_reduce(fits, group=None, op=torch.distributed.ReduceOp.MIN,
                                    purpose="ZeRO-3 generate: gather once or stream")
         mode = GATHER_ONCE if fits.item() > 0 else STREAM
-        self._log(mode, missing, free, reserve, forced=False)
+        self._log(mode, missing, free, reserve, forced=False, elsewhere=local_fits and mode == STREAM)
         return mode
 
-    def _log(self, mode: str, missing: int, free: int | None, reserve: int | None, *, forced: bool) -> None:
+    def _log(self, mode: str, missing: int, free: int | None, reserve: int | None, *, forced: bool,
+             elsewhere: bool = False) -> None:
         key = (mode, forced)
         if key == self._logged or self._topology.rank != 0:
             return
         self._logged = key
         why = ("zero_optimization.stage3_generation" if forced else
-               f"{_size(free)} free, {_size(reserve)} reserved for KV cache and activations")
+               f"{_size(free)} free, {_size(reserve)} reserved for KV cache and activations"
+               + ("; it fits here but not on another rank" if elsewhere else ""))
         if mode == GATHER_ONCE:
             logger.info("ZeRO-3 generate: gathered once (%s) and held for the whole call (%s)", _size(missing), why)
         else:
