@@ -61,7 +61,7 @@ def greedy(model, **kwargs) -> list:
     x = prompt()
     extra = {} if isinstance(model, torch.nn.Module) and not hasattr(model, "generation_config") else {
         "attention_mask": torch.ones_like(x), "pad_token_id": 0}
-    return model.generate(x, max_new_tokens=NEW, do_sample=False, **extra, **kwargs).tolist()
+    return model.generate(x, max_new_tokens=NEW, **{"do_sample": False, **extra, **kwargs}).tolist()
 
 
 # ------------------------------------------------------------------------------ launch 1: save
@@ -121,6 +121,13 @@ def generate_everything(root: str) -> dict:
     for kind, policy in policies.items():  # DeepSpeed's user-specified split instead of the built-in plan
         out[("policy", kind)] = greedy(partita.init_inference(build(kind), tensor_parallel={"tp_size": 2},
                                                               injection_policy=policy, dtype=torch.float32))
+    # Sampling: ranks seeded differently; a tensor group must still draw the same tokens.
+    import torch.distributed as dist
+
+    model = build("llama")
+    torch.manual_seed(100 + dist.get_rank())
+    sampler = partita.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32)
+    out["sampled"] = greedy(sampler, do_sample=True, top_k=0, temperature=1.0)
     # int8 weights of this rank's shards, and weights streamed from host memory, under tp 2.
     int8 = partita.init_inference(build("llama"), tensor_parallel={"tp_size": 2}, dtype=torch.int8)
     out["int8"] = (type(int8.module.model.layers[0].self_attn.o_proj.weight).__module__, len(greedy(int8)[0]))
@@ -181,6 +188,13 @@ def test_deepspeeds_injection_policy_at_tp2_gives_the_unsharded_tokens(runs, kin
     _, per_rank = runs
     want = greedy(_eval(build(kind)))
     assert all(out[("policy", kind)] == want for out in per_rank)
+
+
+def test_a_tensor_group_samples_the_same_tokens_whatever_each_rank_was_seeded_with(runs) -> None:
+    _, per_rank = runs
+    sampled = [out["sampled"] for out in per_rank]
+    assert sampled[0] == sampled[1] and sampled[2] == sampled[3]  # tensor groups: ranks {0, 1} and {2, 3}
+    assert sampled[0] != sampled[2]  # the replicas kept their own seeds (100 and 102)
 
 
 def test_int8_and_streamed_weights_work_under_tp2(runs) -> None:
