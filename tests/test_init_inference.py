@@ -321,6 +321,10 @@ def test_checkpoint_paths_that_hold_no_weights_are_named(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"^checkpoint '.*empty' is neither a partita checkpoint \(no meta\.json or "
                                               r"'latest'\) nor safetensors weights"):
         partita.init_inference(build("llama"), checkpoint="empty", base_dir=str(tmp_path), **FP32)
+    (tmp_path / "ckpt.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"^checkpoint '.*ckpt\.json' is a JSON file: DeepSpeed's checkpoint "
+                                              r"descriptions \(a list of Megatron / ds_model files\) are not read"):
+        partita.init_inference(build("llama"), checkpoint=tmp_path / "ckpt.json", **FP32)
 
 
 def test_weights_of_another_model_are_a_mismatch_listing_the_tensors(tmp_path) -> None:

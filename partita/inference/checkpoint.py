@@ -56,6 +56,10 @@ def resolve_checkpoint(path: str | os.PathLike, base_dir: str = "") -> tuple[str
         return "partita", where
     if where.is_file() and where.suffix == ".safetensors":
         return "safetensors", where
+    if where.is_file() and where.suffix == ".json":
+        raise CheckpointError(
+            f"checkpoint {str(where)!r} is a JSON file: DeepSpeed's checkpoint descriptions (a list of Megatron / "
+            "ds_model files) are not read; pass the save_checkpoint directory, a tag directory, or safetensors weights")
     if where.is_dir() and any(where.glob("*.safetensors")):
         return "safetensors", where
     raise CheckpointError(
