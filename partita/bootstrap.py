@@ -129,7 +129,8 @@ def initialize(
         source_groups = model_parameters
     else:
         source_groups = model.parameters()
-    param_groups = normalize_param_groups(source_groups, model)
+    # Inference only: every parameter is sharded, trainable or not (a frozen model is the usual case).
+    param_groups = [{"params": list(model.parameters())}] if inference_only else normalize_param_groups(source_groups, model)
 
     compute_dtype = _DTYPES[cfg.precision]
     # The strategies, in this order (torchtitan's): tensor parallelism splits the whole model first,

@@ -74,7 +74,11 @@ def inference_engines(nvme_path: str) -> dict:
         out[f"{name}_errors"] = errors
         engine.destroy()
     # bf16: the shards are the model's dtype; the host holds each parameter's bytes / world size, once.
-    engine, _, _, _ = partita.initialize(model=_build("llama"), config=_config("cpu", "bf16"))
+    # A frozen model (requires_grad False everywhere), as inference models usually are.
+    engine, _, _, _ = partita.initialize(model=_build("llama").requires_grad_(False), config=_config("cpu", "bf16"))
+    engine.eval()
+    out["bf16_tokens"] = _greedy(engine.generate, ids, 6)
+    out["bf16_want"] = _greedy(_build("llama").to(torch.bfloat16).eval().generate, ids, 6)
     groups = engine.zero.gatherer.storage.groups
     out["bf16_master_dtypes"] = sorted({str(g.master.dtype) for g in groups})
     out["bf16_host_elements"] = sum(g.master.numel() for g in groups)
@@ -111,6 +115,7 @@ def test_no_optimizer_no_fp32_masters(engines) -> None:
     for result in engines:
         assert result["cpu_returned"] == (None, None, None)
         assert result["bf16_master_dtypes"] == ["torch.bfloat16"]
+        assert result["bf16_tokens"] == result["bf16_want"]  # a frozen bf16 model
         # One shard per rank of every parameter (padding to a multiple of 2 at most one element each).
         assert result["model_elements"] / 2 <= result["bf16_host_elements"] <= result["model_elements"] / 2 + 20
 
