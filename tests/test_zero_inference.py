@@ -144,3 +144,28 @@ def test_no_optimizer_below_stage_3_names_the_inference_route() -> None:
         partita.initialize(model=torch.nn.Linear(2, 2), config={
             "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}})
+
+
+def inference_layouts() -> dict:
+    """A model built under zero.Init (never whole on any rank) and one under tensor parallelism."""
+    import partita
+    import partita.zero
+
+    ids = _prompt(0)  # the same prompt on both ranks: tensor ranks must run the same forwards
+    want = _greedy(_build("gpt2").eval().generate, ids, 6)
+    cfg = _config("cpu")
+    with partita.zero.Init(config_dict_or_path=cfg):
+        model = _build("gpt2")
+    engine, _, _, _ = partita.initialize(model=model, config=cfg)
+    engine.eval()
+    out = {"want": want, "zero_init": _greedy(engine.generate, ids, 6)}
+    engine, _, _, _ = partita.initialize(model=_build("gpt2"), config={**_config(None),
+                                                                       "tensor_parallel": {"autotp_size": 2}})
+    engine.eval()
+    out["tensor_parallel"] = _greedy(engine.generate, ids, 6)
+    return out
+
+
+def test_zero_inference_under_zero_init_and_tensor_parallelism() -> None:
+    for result in run_distributed(inference_layouts, 2, timeout=300):
+        assert result["zero_init"] == result["want"] and result["tensor_parallel"] == result["want"]
