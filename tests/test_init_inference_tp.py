@@ -246,6 +246,21 @@ def test_an_expert_parallel_checkpoint_loads_with_all_experts_on_one_rank(runs) 
     assert all(out[("experts2", 1)] == want for out in per_rank)
 
 
+def test_a_truncated_checkpoint_file_is_named(runs, tmp_path) -> None:
+    import shutil
+
+    import partita
+    from partita.checkpoint.errors import CheckpointCorruptError
+
+    root, _ = runs
+    tag = (root / "zero3" / "latest").read_text().strip()
+    copy = shutil.copytree(root / "zero3" / tag, tmp_path / tag)
+    with open(copy / "rank00001.safetensors", "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(CheckpointCorruptError, match=r"^checkpoint .* is damaged: .*rank00001\.safetensors"):
+        partita.init_inference(build("llama"), checkpoint=copy, dtype=torch.float32)
+
+
 def _checkpoint_reference(root, name: str) -> list:
     from partita.checkpoint.consolidate import load_consolidated
 

@@ -144,6 +144,7 @@ class _PartitaSource:
             raise CheckpointError(f"cannot read {tag_dir / fmt.META_FILE}: {error}") from None
         if meta.get("format") not in (None, fmt.FORMAT_NAME):
             raise CheckpointError(f"{tag_dir} holds a {meta.get('format')!r} checkpoint, not a partita one")
+        _check_sizes(tag_dir)
         self.meta, self.reader = open_upgraded(tag_dir, meta, module)
         self.tensor_size = int(self.meta.get("tensor_parallel_size", 1) or 1)
         model_meta = self.meta["model"]
@@ -197,6 +198,17 @@ class _PartitaSource:
 
     def unused(self, used: set[str]) -> list[str]:
         return [k for k in self.keys if k not in used]
+
+
+def _check_sizes(tag_dir: Path) -> None:
+    """Every file the manifest lists has its recorded size (a truncated copy fails here, named,
+    rather than as a garbled tensor); checksums are ``partita checkpoint verify``'s job."""
+    from partita.checkpoint.errors import CheckpointCorruptError
+    from partita.checkpoint.manifest import check_files, read_manifest
+
+    problems = check_files(tag_dir, read_manifest(tag_dir), hash_names=set())
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {tag_dir} is damaged: " + "; ".join(problems))
 
 
 def _local(whole: torch.Tensor, shard: TensorShard | None) -> torch.Tensor:
