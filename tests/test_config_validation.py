@@ -159,7 +159,7 @@ def test_unknown_nested_key_suggests_and_lists_valid_keys() -> None:
         "zero_optimization.reduce_bucket_sise = 500000000.0: unknown key in 'zero_optimization'; did you mean "
         "'reduce_bucket_size', 'stage3_prefetch_bucket_size' or 'allgather_bucket_size'? Valid keys: stage, overlap_comm, contiguous_gradients, "
         "reduce_bucket_size, allgather_bucket_size, reduce_scatter, stage3_param_persistence_threshold, "
-        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_max_reuse_distance, "
+        "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_max_reuse_distance, stage3_generation, "
         "stage3_gather_16bit_weights_on_model_save, one_rank_free_weights, one_rank_gradient_fold, sub_group_size, offload_optimizer, "
         "offload_param"
     )
