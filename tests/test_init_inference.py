@@ -318,7 +318,7 @@ def test_checkpoint_paths_that_hold_no_weights_are_named(tmp_path) -> None:
         partita.init_inference(build("llama"), checkpoint=tmp_path / "nowhere", **FP32)
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"^checkpoint '.*empty' is neither a partita checkpoint \(no meta\.json or "
-                                              r"'latest'\) nor safetensors weights"):
+                                              r"'latest'\) nor weights \(no \*\.safetensors"):
         partita.init_inference(build("llama"), checkpoint="empty", base_dir=str(tmp_path), **FP32)
     (tmp_path / "ckpt.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"^checkpoint '.*ckpt\.json' is a JSON file: DeepSpeed's checkpoint "
@@ -345,6 +345,13 @@ def test_safetensors_weights_load_into_a_fresh_model(tmp_path) -> None:
     state.pop("lm_head.weight")  # tied to the embedding: Hugging Face stores it once
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     engine = partita.init_inference(build("gpt2", seed=0), checkpoint=str(tmp_path), **FP32)
+    assert greedy(engine) == greedy(trained)
+
+
+def test_torch_saved_weights_load_too(tmp_path) -> None:
+    trained = build("gpt2", seed=3).eval()
+    torch.save(trained.state_dict(), tmp_path / "pytorch_model.bin")  # tied weights under both names
+    engine = partita.init_inference(build("gpt2", seed=0), checkpoint=tmp_path / "pytorch_model.bin", **FP32)
     assert greedy(engine) == greedy(trained)
 
 

@@ -14,7 +14,8 @@ match either the PipelineModule itself or the ``nn.Sequential`` of its layers
 
 Weights exported as safetensors (``save_16bit_model``, ``partita checkpoint consolidate``,
 Hugging Face ``save_pretrained``) are read the same way: per tensor, only this rank's rows or
-columns (``safe_open(...).get_slice``).
+columns (``safe_open(...).get_slice``). ``torch.save`` state dicts (``pytorch_model.bin``) are
+opened memory-mapped and tensors-only, then sliced.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ logger = logging.getLogger("partita")
 
 __all__ = ["load_weights", "resolve_checkpoint"]
 
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
 
 def resolve_checkpoint(path: str | os.PathLike, base_dir: str = "") -> tuple[str, Path]:
-    """``(kind, where)``: kind is "partita" (a tag directory) or "safetensors" (a file or directory)."""
+    """``(kind, where)``: kind is "partita" (a tag directory), "safetensors" or "torch" (a file or directory)."""
     given = Path(os.fspath(path))
     where = Path(base_dir) / given if base_dir and not given.is_absolute() else given
     if not where.exists():
@@ -62,10 +65,12 @@ def resolve_checkpoint(path: str | os.PathLike, base_dir: str = "") -> tuple[str
             "ds_model files) are not read; pass the save_checkpoint directory, a tag directory, or safetensors weights")
     if where.is_dir() and any(where.glob("*.safetensors")):
         return "safetensors", where
+    if where.suffix in _TORCH_SUFFIXES or (where.is_dir() and any(p.suffix in _TORCH_SUFFIXES for p in where.iterdir())):
+        return "torch", where
     raise CheckpointError(
         f"checkpoint {str(where)!r} is neither a partita checkpoint (no {fmt.META_FILE} or '{fmt.LATEST_FILE}') nor "
-        "safetensors weights (no *.safetensors file); pass the save_checkpoint directory, a tag directory in it, or "
-        "the directory save_16bit_model / `partita checkpoint consolidate` wrote"
+        "weights (no *.safetensors, *.bin, *.pt or *.pth file); pass the save_checkpoint directory, a tag directory in "
+        "it, or the directory save_16bit_model / `partita checkpoint consolidate` wrote"
     )
 
 
@@ -76,8 +81,10 @@ def load_weights(module: nn.Module, path: str | os.PathLike, *, base_dir: str = 
     kind, where = resolve_checkpoint(path, base_dir)
     if kind == "partita":
         source = _PartitaSource(where, module)
-    else:
+    elif kind == "safetensors":
         source = _SafetensorsSource(where)
+    else:
+        source = _TorchFileSource(where)
     with source:
         if kind == "partita" and training_mp_size > 1 and source.tensor_size != training_mp_size:
             raise CheckpointMismatchError(
@@ -271,3 +278,40 @@ class _SafetensorsSource:
         return [k for k in self.file_of if k not in used]
 
 
+
+
+class _TorchFileSource:
+    """``torch.save`` state dicts (``pytorch_model*.bin``, ``save_16bit_model(dir, "model.bin")``),
+    opened memory-mapped and tensors-only (``weights_only``: no pickled code runs)."""
+
+    def __init__(self, where: Path) -> None:
+        files = [where] if where.is_file() else sorted(p for p in where.iterdir() if p.suffix in _TORCH_SUFFIXES)
+        self.state: dict[str, torch.Tensor] = {}
+        for path in files:
+            try:
+                loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as error:  # torch raises several types for a file that is not a state dict
+                raise CheckpointError(f"{path} cannot be read as a torch state dict (tensors only): {error}") from None
+            if isinstance(loaded, dict) and isinstance(loaded.get("module"), dict):
+                loaded = loaded["module"]  # DeepSpeed's mp_rank_00_model_states.pt layout
+            self.state.update({k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.state.clear()
+
+    def key_for(self, name: str) -> str | None:
+        return name if name in self.state else None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
+
+    def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
+        return _local(self.state[key], shard)
+
+    def unused(self, used: set[str]) -> list[str]:
+        # Several names of one tied tensor are all in a torch.save dict; one of them filled it.
+        storages = {self.state[k].untyped_storage().data_ptr() for k in used}
+        return [k for k, v in self.state.items() if k not in used and v.untyped_storage().data_ptr() not in storages]
