@@ -117,6 +117,8 @@ def initialize(
     init_distributed(backend=cfg.distributed.backend, timeout_seconds=cfg.distributed.timeout_seconds)
     device = current_device()
     topology = _build_topology(cfg, device_type=device.type, model=model)
+    if inference_only and cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
+        cfg = cfg.model_copy(update={"train_micro_batch_size_per_gpu": 1})  # no optimizer step to size a batch for
     batch = resolve_batch_sizes(cfg, dp_world_size=topology.data_size)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)

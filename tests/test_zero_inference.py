@@ -27,7 +27,7 @@ def _config(offload: str | None, precision: str = "fp32", nvme_path: str = "") -
     elif offload == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2, "buffer_size": 100_000,
                                  "max_in_cpu": 0}
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "steps_per_print": 1000}
+    cfg = {"zero_optimization": zero, "steps_per_print": 1000}  # no batch size: inference needs none
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
