@@ -77,7 +77,12 @@ class StaticDecoder:
         self.max_out_tokens = max_out_tokens
         self._compiled = compile
         # Models whose forward can skip the LM head for all but the last position (most HF causal LMs).
-        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        params = inspect.signature(model.forward).parameters
+        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        # transformers renamed past_key_values to cache (5.2x) and dropped cache_position, which the
+        # cache now counts itself; both spellings are served so one partita runs on either.
+        self._cache_key = "cache" if "cache" in params else "past_key_values"
+        self._positions = "cache_position" in params
         # Greedy steps take the argmax inside the graph (one launch per token, nothing else on the
         # host); sampling and min_new_tokens need the logits. Each compiles on its first use.
         self._greedy_step = self._compile(self._next_token, fullgraph) if compile else self._next_token
@@ -93,13 +98,19 @@ class StaticDecoder:
 
     def _last_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache_position: torch.Tensor,
                      mask: torch.Tensor, cache) -> torch.Tensor:
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache_position=cache_position,
-                         past_key_values=cache, use_cache=True, **self._keep)
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **self._cache_args(cache, cache_position), **self._keep)
         return out.logits[:, -1, :].float()
 
     def _next_token(self, tokens: torch.Tensor, positions: torch.Tensor, cache_position: torch.Tensor,
                     mask: torch.Tensor, cache) -> torch.Tensor:
         return self._last_logits(tokens, positions, cache_position, mask, cache).argmax(dim=-1)
+
+    def _cache_args(self, cache, cache_position: torch.Tensor) -> dict[str, Any]:
+        args = {self._cache_key: cache}
+        if self._positions:
+            args["cache_position"] = cache_position
+        return args
 
     @torch.no_grad()
     def generate(self, **kwargs: Any) -> torch.Tensor:
@@ -140,9 +151,8 @@ class StaticDecoder:
 
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         cache_position=torch.arange(prompt, device=device), past_key_values=cache, use_cache=True,
-                         **self._keep)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **self._cache_args(cache, torch.arange(prompt, device=device)), **self._keep)
         logits = out.logits[:, -1, :].float()
         del out
         tokens = torch.empty(batch, total, dtype=input_ids.dtype, device=device)
