@@ -86,8 +86,8 @@ class InferenceEngine(nn.Module):
         tp = cfg.tp_size
         if cfg.enable_cuda_graph and tp > 1:
             raise ConfigError(f"enable_cuda_graph with tensor_parallel.tp_size = {tp} is not supported yet (DeepSpeed "
-                              "refuses it too): the tensor-parallel all-reduces are not captured; use tp_size 1 with "
-                              "enable_cuda_graph, or tp_size > 1 without it")
+                              "refuses it too): capturing the tensor-parallel all-reduces in CUDA graphs is not verified yet; "
+                              "use tp_size 1 with enable_cuda_graph, or tp_size > 1 without it")
         if cfg.enable_cuda_graph and cfg.streams_weights:
             raise ConfigError("enable_cuda_graph with zero.offload_param (weights streamed from host memory) is not "
                               "possible: each block's weights are copied in by hooks, which a CUDA graph cannot replay; "
