@@ -237,14 +237,14 @@ def _initialize_inference(model: nn.Module, cfg: PartitaConfig, topology: Topolo
     """ZeRO-Inference: every parameter sharded (streamed from host memory or NVMe with offload_param), no
     fp32 masters, no optimizer state; ``(engine, None, dataloader, None)`` (partita/zero/inference.py)."""
     from partita.zero.inference import apply_zero_inference
-    from partita.zero.inference_engine import InferenceEngine
+    from partita.zero.inference_engine import ZeroInferenceEngine
 
     zero = apply_zero_inference(model, config=cfg.zero_optimization, topology=topology, aio=cfg.aio,
                                 param_comms=expert_comms)
-    engine = InferenceEngine(module=model, zero=zero, batch=batch, topology=topology, device=device,
-                             compute_dtype=compute_dtype, config=cfg,
-                             training_dataloader=_build_dataloader(training_data, collate_fn, batch.micro_batch_size,
-                                                                   topology, cfg))
+    engine = ZeroInferenceEngine(module=model, zero=zero, batch=batch, topology=topology, device=device,
+                                 compute_dtype=compute_dtype, config=cfg,
+                                 training_dataloader=_build_dataloader(training_data, collate_fn,
+                                                                       batch.micro_batch_size, topology, cfg))
     location = zero.gatherer.shard_location
     logger.info("ZeRO-Inference: no optimizer, %d parameters sharded over %d rank(s), shards in %s (%s), no fp32 masters",
                 sum(1 for p in model.parameters() if zero.gatherer.is_sharded_param(p)), topology.zero_size,

@@ -26,7 +26,7 @@ def refuse(what: str) -> ConfigError:
     return ConfigError(f"{what}: {_FIX}")
 
 
-class InferenceEngine(Engine):
+class ZeroInferenceEngine(Engine):
     """A ZeRO-3 engine without optimizer, gradient reducer or fp32 masters."""
 
     def finish_pending_step(self) -> None:
