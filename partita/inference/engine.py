@@ -66,6 +66,8 @@ class InferenceEngine(nn.Module):
         self.host_stream = None
         self._is_compiled = False
         self._decode_caches: dict[int, Any] | None = None  # batch -> the reference GPT's reused KV cache
+        self._static_decoder = None  # enable_cuda_graph on a Hugging Face model (partita/inference/static_decode.py)
+        self._fallbacks_logged: set[str] = set()
         self._build(model, config)
 
     # ------------------------------------------------------------------ building
@@ -143,7 +145,9 @@ class InferenceEngine(nn.Module):
         """Compile the decoding (``options``: enable_compiled_decoding's; tests pass the eager backend)."""
         from partita.inference.compiled import enable_compiled_decoding
 
-        logger.info("init_inference: %s", enable_compiled_decoding(self.module, **options))
+        what, self._static_decoder = enable_compiled_decoding(self.module, max_out_tokens=self._config.max_out_tokens,
+                                                             **options)
+        logger.info("init_inference: %s", what)
         if callable(getattr(self.module, "new_kv_cache", None)):
             # The reference GPT: one cache per batch size, reused by every generate call, so the
             # captured decode graph's buffers keep their addresses (no re-capture per call).
@@ -170,6 +174,20 @@ class InferenceEngine(nn.Module):
         prompt = kwargs.get("input_ids", kwargs.get("idx", inputs[0] if inputs else None))
         if self._decode_caches is not None and "kv_cache" not in kwargs and isinstance(prompt, torch.Tensor):
             kwargs["kv_cache"] = self._decode_cache(prompt.shape[0])
+        if self._static_decoder is not None:
+            from partita.inference.static_decode import unsupported_reason
+
+            call = dict(kwargs)
+            if inputs:  # generate(input_ids, ...), Hugging Face's positional form
+                call["input_ids"], rest = inputs[0], inputs[1:]
+                if rest:
+                    call["_positional"] = rest
+            reason = unsupported_reason(call, getattr(self.module, "generation_config", None))
+            if reason is None:
+                return self._static_decoder.generate(**call)
+            if reason not in self._fallbacks_logged:
+                self._fallbacks_logged.add(reason)
+                logger.info("init_inference: this generate call runs the model's own generate, eagerly (%s)", reason)
         with torch.no_grad():
             return self.module.generate(*inputs, **kwargs)
 
