@@ -21,15 +21,15 @@ VOCAB, PROMPT = 96, 5
 NEW = {0: 4, 1: 11}  # new tokens per rank: ranks finish at different steps
 
 
-def _build(family: str) -> torch.nn.Module:
+def _build(family: str, layers: int = 2) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if family == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32,
+        return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                           eos_token_id=0, pad_token_id=0))
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                                         hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
                                         max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
                                         pad_token_id=0))
@@ -150,7 +150,27 @@ def zero3_streaming(family: str) -> dict:
     if rank == 1:
         generation._free_bytes = lambda device: 1024
     out["auto_tokens"] = _greedy(auto.generate, ids, new)
-    out["auto_mode"] = auto.generation_mode
+    out["auto_mode"], out["auto_held"] = auto.generation_mode, auto._generation.held_units
+    out["logged"] = [r for r in records if r.startswith("ZeRO-3 generate")]
+    # 6 blocks; room on rank 1 for the root unit beside the streaming window (one block prefetched, the
+    # largest unit and its buffer): the root is held for the call, the blocks stream.
+    cfg = _config(3)
+    block_numel = sum(p.numel() for p in _build(family).transformer.h[0].parameters())
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = block_numel
+    out["partial_want"] = _greedy(_build(family, layers=6).eval().generate, ids, new)
+    partial, _, _, _ = partita.initialize(model=_build(family, layers=6), config=cfg)
+    partial.eval()
+    units = [ps for ps in partial.zero.gatherer.unit_params().values() if ps]
+    sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in units]
+    window = min(block_numel * 4, sum(sizes)) + 2 * max(sizes)
+    if rank == 1:
+        generation._free_bytes = lambda device: sizes[0] + window
+        generation._reserve_bytes = lambda *args: 0
+    counter.take()
+    out["partial_tokens"] = _greedy(partial.generate, ids, new)
+    out["partial_gathers"] = counter.take()
+    out["partial_mode"], out["partial_held"] = partial.generation_mode, partial._generation.held_units
+    out["partial_freed"] = partial.zero.gatherer.num_gathered()
     out["logged"] = [r for r in records if r.startswith("ZeRO-3 generate")]
     return out
 
@@ -222,11 +242,17 @@ def test_streaming_prefetches_and_syncs_ranks_that_finish_apart(family) -> None:
         assert result["gathers"] == 11 * result["units"], result
         assert result["prefetches"] >= 10 * (result["units"] - 1), result
         assert result["freed_after"] == 0
-        assert result["auto_mode"] == "stream" and result["auto_tokens"] == result["want"]
+        assert result["auto_mode"] == "stream" and result["auto_held"] == 0 and result["auto_tokens"] == result["want"]
+        # The root held (one gather for the call), the 6 blocks gathered by each of the 11 forwards.
+        assert result["partial_mode"] == "stream" and result["partial_held"] == 1
+        assert result["partial_gathers"] == 1 + 11 * 6 and result["partial_tokens"] == result["partial_want"]
+        assert result["partial_freed"] == 0
     assert rank == 1 and result["logged"] == []  # rank 0 logs
     logged = run[0]["logged"]
-    assert len(logged) == 1 and logged[0].startswith("ZeRO-3 generate: streaming unit by unit with prefetch"), logged
+    assert len(logged) == 2, logged
+    assert logged[0].startswith("ZeRO-3 generate: streaming 3 of 3 units with prefetch, 0 held for the whole call"), logged
     assert logged[0].endswith("reserved for KV cache and activations; it fits here but not on another rank)"), logged
+    assert logged[1].startswith("ZeRO-3 generate: streaming 6 of 7 units with prefetch, 1 held for the whole call"), logged
 
 
 def test_stages_1_2_and_tensor_parallel_generate_the_unsharded_tokens() -> None:

@@ -22,7 +22,12 @@ and picks one of two ways:
 gather once when the bytes still to gather, plus a reserve for the KV cache and activations,
 fit in this rank's free memory (the accelerator's free bytes, ``torch.cuda.mem_get_info`` plus
 what torch's allocator caches unused; on a CPU run the host's MemAvailable split between the
-node's ranks), on *every* rank (one small all-reduce per call, so all ranks choose alike).
+node's ranks), on *every* rank (one small all-reduce of the least spare bytes per call, so all
+ranks choose alike). Otherwise "auto" streams, but first holds for the call as many units as
+fit (in unit order, the same on every rank) beside the streaming window (the prefetched
+elements, at most what streams, plus twice the largest unit: the one being gathered and its
+transient buffer): those are gathered once, only the rest are gathered per token. A forced
+"stream" holds none.
 The reserve is the KV cache the call can grow to, computed from the model's config when it has
 one (layers x 2 x batch x (prompt + new tokens) x kv heads x head dim x element size), plus a
 margin of 10% of the model's gathered bytes and at least 256 MiB for activations and logits.
@@ -82,6 +87,7 @@ class GenerationSessions:
         self._mode = mode
         self._depth = 0  # engine.generate calls the wrapped module.generate: one session, not two
         self.last_mode: str | None = None  # what the last ZeRO-3 session did (tests, observability)
+        self.held_units = 0  # units the last ZeRO-3 session held for the whole call
         self._logged: tuple | None = None
 
     def run(self, generate: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -107,39 +113,45 @@ class GenerationSessions:
         if gatherer is None:
             yield {"synced_gpus": True, **kwargs} if syncable and lockstep else kwargs
             return
-        mode = self._choose(gatherer, args, kwargs)
-        self.last_mode = mode
-        if mode == STREAM:  # every forward gathers: a collective
-            yield {"synced_gpus": True, **kwargs} if syncable and multi else kwargs
-            return
-        hold = HeldParameters(gatherer, [p for params in gatherer.unit_params().values() for p in params])
+        mode, held = self._choose(gatherer, args, kwargs)
+        self.last_mode, self.held_units = mode, len(held)
+        hold = HeldParameters(gatherer, [p for params in held for p in params])
         hold.start()  # one all-gather per unit: a unit's transient buffer, not the model's
         try:
-            # No collective per token from ZeRO: ranks may finish apart (unless the model's own forwards sync).
-            yield {"synced_gpus": lockstep, **kwargs} if syncable else kwargs
+            if mode == STREAM:  # the units not held are gathered by every forward: a collective
+                yield {"synced_gpus": True, **kwargs} if syncable and multi else kwargs
+            else:  # no collective per token from ZeRO: ranks may finish apart (unless the model's own forwards sync)
+                yield {"synced_gpus": lockstep, **kwargs} if syncable else kwargs
         finally:
             hold.end()
 
-    def _choose(self, gatherer, args: tuple, kwargs: dict) -> str:
+    def _choose(self, gatherer, args: tuple, kwargs: dict) -> tuple[str, list[list[nn.Parameter]]]:
+        """The mode, and the units (their parameters) held for the call: all of them gathered once;
+        streaming: none when forced, else as many as fit beside the streaming window."""
+        units = [params for params in gatherer.unit_params().values() if params]
         missing = _bytes_to_gather(gatherer)
         if self._mode != "auto":
-            self._log(self._mode, missing, None, None, forced=True)
-            return self._mode
+            self._log(self._mode, missing, None, None, forced=True, held=0, units=len(units))
+            return self._mode, units if self._mode == GATHER_ONCE else []
         device = gatherer.storage.device
         free = _free_bytes(device)
         reserve = _reserve_bytes(self._module, args, kwargs, missing)
-        local_fits = missing + reserve <= free
-        fits = torch.tensor([1.0 if local_fits else 0.0], device=device)
-        if self._topology.world_size > 1:  # every rank must choose the same way (gathers are collectives)
-            collectives.all_reduce(fits, group=None, op=torch.distributed.ReduceOp.MIN,
+        spare = torch.tensor([float(free - reserve)], dtype=torch.float64, device=device)
+        if self._topology.world_size > 1:  # every rank must choose alike (gathers are collectives): the least spare
+            collectives.all_reduce(spare, group=None, op=torch.distributed.ReduceOp.MIN,
                                    purpose="ZeRO-3 generate: gather once or stream")
-        mode = GATHER_ONCE if fits.item() > 0 else STREAM
-        self._log(mode, missing, free, reserve, forced=False, elsewhere=local_fits and mode == STREAM)
-        return mode
+        budget = int(spare.item())
+        elsewhere = missing + reserve <= free
+        if missing <= budget:
+            self._log(GATHER_ONCE, missing, free, reserve, forced=False, held=len(units), units=len(units))
+            return GATHER_ONCE, units
+        held = _units_beside_window(gatherer, units, budget)
+        self._log(STREAM, missing, free, reserve, forced=False, elsewhere=elsewhere, held=len(held), units=len(units))
+        return STREAM, held
 
-    def _log(self, mode: str, missing: int, free: int | None, reserve: int | None, *, forced: bool,
-             elsewhere: bool = False) -> None:
-        key = (mode, forced)
+    def _log(self, mode: str, missing: int, free: int | None, reserve: int | None, *, forced: bool, held: int,
+             units: int, elsewhere: bool = False) -> None:
+        key = (mode, forced, held)
         if key == self._logged or self._topology.rank != 0:
             return
         self._logged = key
@@ -149,22 +161,37 @@ class GenerationSessions:
         if mode == GATHER_ONCE:
             logger.info("ZeRO-3 generate: gathered once (%s) and held for the whole call (%s)", _size(missing), why)
         else:
-            logger.info("ZeRO-3 generate: streaming unit by unit with prefetch (the whole model, %s, is not "
-                        "gathered: %s)", _size(missing), why)
+            logger.info("ZeRO-3 generate: streaming %d of %d units with prefetch, %d held for the whole call (the whole "
+                        "model, %s, is not gathered: %s)", units - held, units, held, _size(missing), why)
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+def _units_beside_window(gatherer, units: list[list[nn.Parameter]], budget: int) -> list[list[nn.Parameter]]:
+    """Units (in the gatherer's order, the same on every rank) to hold while the rest stream: as
+    many as fit in ``budget`` bytes next to the streaming window (the prefetched elements, at most
+    what streams, plus the largest unit being gathered with its transient buffer)."""
+    sizes = [sum(_missing_bytes(gatherer, p) for p in params) for params in units]
+    element = max((p.element_size() for params in units for p in params), default=1)
+    window = min(gatherer.prefetch_numel * element, sum(sizes)) + 2 * max(sizes, default=0)
+    held, used = [], 0
+    for params, size in zip(units, sizes):
+        if used + size + window > budget:
+            break
+        held.append(params)
+        used += size
+    return held
 
 
 def _bytes_to_gather(gatherer) -> int:
     """Bytes of the sharded parameters not whole now (a gather makes them whole)."""
-    total = 0
-    for params in gatherer.unit_params().values():
-        for param in params:
-            if not gatherer.is_gathered(param):
-                total += param.numel() * param.element_size()
-    return total
+    return sum(_missing_bytes(gatherer, p) for params in gatherer.unit_params().values() for p in params)
+
+
+def _missing_bytes(gatherer, param: nn.Parameter) -> int:
+    return 0 if gatherer.is_gathered(param) else param.numel() * param.element_size()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -178,7 +205,7 @@ def _reserve_bytes(module: nn.Module, args: tuple, kwargs: dict, model_bytes: in
     """KV cache the call can grow to (from the model's config, when it has one) plus a margin."""
     margin = max(_MIN_RESERVE, model_bytes // 10)
     config = getattr(module, "config", None)
-    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args and isinstance(args[0], torch.Tensor) else None))
     if config is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return margin
     layers = _first_int(config, "num_hidden_layers", "n_layer")

@@ -112,7 +112,7 @@ class ParameterGatherer:
     ) -> None:
         self._groups = groups
         self.frozen = frozen  # sharded parameters of no group (see partita/zero/frozen_params.py)
-        self._prefetch_numel = prefetch_numel
+        self.prefetch_numel = prefetch_numel
         self._max_live_numel = max_live_numel
         self._max_reuse_distance = max_reuse_distance
         # Elements of sharded parameters held whole or being gathered (what max_live bounds).
@@ -399,7 +399,7 @@ class ParameterGatherer:
         live = self._live_numel
         ahead = 0
         for unit in upcoming:
-            if ahead >= self._prefetch_numel:
+            if ahead >= self.prefetch_numel:
                 break
             todo = [p for p in self._unit_params[unit] if self._state[p] is ParamState.SHARDED]
             need = sum(self._numel[p] for p in todo)
