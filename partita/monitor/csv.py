@@ -11,7 +11,7 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 
-from partita.monitor.monitors import Event
+from partita.monitor.events import Event
 
 
 def csv_file_name(tag: str) -> str:

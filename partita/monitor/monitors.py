@@ -11,22 +11,26 @@ import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+from partita.monitor.csv import CSVMonitor
+
+# Event and Monitor live in the sinks' own lower module (re-exported here, their historical
+# path), so the sinks import nothing above them and this module can import them at the top:
+# each imports its optional package (tensorboard, wandb) only when a monitor is built.
+from partita.monitor.events import Event, Monitor
+from partita.monitor.tensorboard import TensorBoardMonitor
+from partita.monitor.wandb import WandbMonitor
 
 if TYPE_CHECKING:
     from partita.config import PartitaConfig
 
-Event = tuple[str, float, int]
+__all__ = ["Event", "MissingMonitorPackageError", "Monitor", "MonitorMaster", "build_monitors",
+           "check_monitor_packages", "job_dir"]
 
 
 class MissingMonitorPackageError(ImportError):
     """A monitor is enabled in the config but the package it writes with is not installed."""
-
-
-class Monitor(Protocol):
-    def write_events(self, events: Sequence[Event]) -> None: ...
-
-    def close(self) -> None: ...
 
 
 # section name -> (import name, pip requirement)
@@ -79,16 +83,10 @@ def build_monitors(config: PartitaConfig, *, is_writing_rank: bool) -> MonitorMa
         return MonitorMaster()
     monitors: list[Monitor] = []
     if config.tensorboard.enabled:
-        from partita.monitor.tensorboard import TensorBoardMonitor
-
         monitors.append(TensorBoardMonitor(job_dir(config.tensorboard.output_path, config.tensorboard.job_name)))
     if config.csv_monitor.enabled:
-        from partita.monitor.csv import CSVMonitor
-
         monitors.append(CSVMonitor(job_dir(config.csv_monitor.output_path, config.csv_monitor.job_name)))
     if config.wandb.enabled:
-        from partita.monitor.wandb import WandbMonitor
-
         monitors.append(
             WandbMonitor(project=config.wandb.project, group=config.wandb.group, team=config.wandb.team,
                          run_config=config.to_dict())

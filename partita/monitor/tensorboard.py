@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from partita.monitor.monitors import Event
+from partita.monitor.events import Event
 
 
 class TensorBoardMonitor:
