@@ -22,7 +22,6 @@ from typing import Any, get_args
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from partita.config import unsupported
 from partita.config.base import (
     MISSING,
     ConfigError,
@@ -36,6 +35,8 @@ from partita.config.base import (
 )
 from partita.config.root import CROSS_CHECKED, PartitaConfig, cross_section_problems
 from partita.config.suggest import did_you_mean
+from partita.config.unsupported import lookup as lookup_unsupported
+from partita.config.unsupported import unsupported_keys
 
 AUTO_HELP = (
     "'auto' is a placeholder that the Hugging Face Trainer replaces with its own arguments; "
@@ -176,7 +177,7 @@ def _prepare(
                 problems.extend(inner)
             cleaned[name] = value
             continue
-        entry = unsupported.lookup(section, key) if isinstance(key, str) else None
+        entry = lookup_unsupported(section, key) if isinstance(key, str) else None
         if entry is not None:
             if not entry.is_inert(value):
                 problems.append(Problem(path, entry.message(path), value))
@@ -219,7 +220,7 @@ def _unknown_key(path: str, key: str, value: Any, model: type[BaseModel] | None,
         return Problem(path, f"unknown key {where}", value)
     hint = did_you_mean(key, [*model.model_fields, *getattr(model, "key_aliases", {})])
     if not hint:
-        pending = did_you_mean(key, unsupported.unsupported_keys(section))
+        pending = did_you_mean(key, unsupported_keys(section))
         hint = f"{pending[:-1]} (a DeepSpeed setting partita does not implement yet)?" if pending else ""
     sentence = f"unknown key {where}" + (f"; {hint}" if hint else ".")
     return Problem(path, f"{sentence} Valid keys: {', '.join(model.model_fields)}", value)
@@ -249,7 +250,7 @@ def _from_pydantic(error: Mapping[str, Any], cleaned: Mapping[str, Any]) -> Prob
         allowed = describe_type(item) if item is not None else _lower_first(error["msg"])
     if kind == "extra_forbidden":
         section = tuple(str(p) for p in parts[:-1])
-        entry = unsupported.lookup(section, str(parts[-1]))
+        entry = lookup_unsupported(section, str(parts[-1]))
         if entry is not None:
             return Problem(path, entry.message(path), value)
         return _unknown_key(path, str(parts[-1]), value, parent, section)
