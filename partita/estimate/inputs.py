@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partita.offload.transfer import STAGING_BYTES as _OFFLOAD_STAGING_BYTES
+from partita.zero.stream_eligibility import auto_streams
 
 __all__ = [
     "DTYPE_BYTES",
@@ -420,8 +421,6 @@ class Setup:
         if zero.one_rank_gradient_fold == "auto" and not {"fold_gradients_at_end", "streamed_step"} & set(overrides):
             # What initialize decides (partita/zero/fold_choice.py) where the config alone says it; the
             # estimate-based choice between early and end is left to the caller (fold_gradients_at_end).
-            from partita.zero.fold_choice import auto_streams
-
             if world == 1 and auto_streams(cfg, None, job_world=1, assume_fused_kernel=True,
                                            gradient_accumulation_steps=values.get("gradient_accumulation_steps", 1)):
                 values.update(fold_gradients_at_end=True, streamed_step=True)

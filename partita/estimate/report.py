@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from partita.estimate.result import CATEGORIES, DEVICES, PHASES
+from partita.estimate.phases import CATEGORIES, DEVICES, PHASES
 
 if TYPE_CHECKING:
     from partita.estimate.result import MemoryEstimate

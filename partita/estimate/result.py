@@ -16,22 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita.estimate.inputs import Setup
+# The vocabulary (categories, devices, phases) lives below both this module and the report that
+# formats it; re-exported here, its historical path.
+from partita.estimate.phases import (ALWAYS, BACKWARD, CATEGORIES, DEVICES, END_BACKWARD, PHASES, START_BACKWARD,
+                                     STEP, WRITE_BACK)
+from partita.estimate.report import format_estimate
 
 __all__ = [
     "ALWAYS", "BACKWARD", "CATEGORIES", "DEVICES", "END_BACKWARD", "PHASES", "START_BACKWARD", "STEP", "WRITE_BACK",
     "Line", "MemoryEstimate",
 ]
-
-CATEGORIES = ("parameters", "gradients", "optimizer states", "activations", "buffers")
-DEVICES = ("accelerator", "cpu", "nvme")
-START_BACKWARD = "start of backward"  # every activation saved, plus the loss gradients
-BACKWARD = "during backward"  # activations being freed while gradients are reduced
-END_BACKWARD = "end of backward"  # gradients folded into the fp32 partition
-STEP = "optimizer step"
-WRITE_BACK = "weight all-gather after the step"
-PHASES = (START_BACKWARD, BACKWARD, END_BACKWARD, STEP, WRITE_BACK)
-ALWAYS = frozenset(PHASES)
-
 
 @dataclass(frozen=True)
 class Line:
@@ -129,8 +123,6 @@ class MemoryEstimate:
         return sum(self.total(device, category=c) for c in ("parameters", "gradients", "optimizer states"))
 
     def table(self) -> str:
-        from partita.estimate.report import format_estimate
-
         return format_estimate(self)
 
     def to_dict(self) -> dict[str, Any]:
