@@ -41,6 +41,9 @@ class Engine:
     module, as in DeepSpeed (``engine.generate(...)`` calls ``engine.module.generate``).
     """
 
+    # engine.offload_states: what is in host memory now (partita/zero/offload_states.py); None: nothing.
+    _offloaded_states = None
+
     def __init__(
         self,
         *,
@@ -225,6 +228,8 @@ class Engine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of one micro-batch's loss; gradients of the window's last micro-batch
         (every micro-batch under ZeRO-2) are reduced across ranks before this returns."""
+        if self._offloaded_states is not None:
+            self._offloaded_states.refuse("engine.backward()")
         if self._backward_pending:
             raise RuntimeError(
                 "engine.backward() was called twice without engine.step() in between; "
@@ -262,6 +267,8 @@ class Engine:
 
     def step(self) -> None:
         """End one micro-batch; at the accumulation boundary update the weights."""
+        if self._offloaded_states is not None:
+            self._offloaded_states.refuse("engine.step()")
         if not self._backward_pending:
             raise RuntimeError("engine.step() was called without engine.backward(loss) for this micro-batch")
         boundary = self.is_gradient_accumulation_boundary()
@@ -414,6 +421,48 @@ class Engine:
 
     def get_loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    # ------------------------------------------------------------------ offload states (partita/zero/offload_states.py)
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> dict:
+        """DeepSpeed's ``engine.offload_states``: move device tensors to host memory until :meth:`reload_states`
+        (colocated rollouts: the generator gets the accelerator). ``include``: kinds of DeepSpeed's
+        ``OffloadStateTypeEnum`` ("optim_states", "hp_params", "lp_params", "lp_grads",
+        "contiguous_grad_buffer"; None: all). What offload_optimizer / offload_param keep in host memory
+        stays there. Each rank moves its own tensors (no collective). Returns the bytes moved per kind.
+        backward/step (and forward, once lp_params moved) raise until reload_states."""
+        from partita.zero.offload_states import OffloadedStates, parse_device, parse_include
+
+        kinds = parse_include(include)
+        parse_device(device)
+        self.finish_pending_step()  # a delayed update lands first; one-rank freed blocks are whole again
+        if self._offloaded_states is None:
+            self._offloaded_states = OffloadedStates()
+        return self._offloaded_states.offload(self.module, self.zero, kinds, compute_device=self.device,
+                                              pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``engine.reload_states``: everything :meth:`offload_states` moved goes back to its
+        device, bit for bit, into the same tensor objects; training continues exactly. A no-op when
+        nothing is offloaded."""
+        if self._offloaded_states is not None:
+            self._offloaded_states.reload(non_blocking=non_blocking)
+            self._offloaded_states = None
+
+    # ------------------------------------------------------------------ weight streaming (partita/zero/weight_stream.py)
+    def iter_16bit_weight_buckets(self, bucket_bytes: int = 512 << 20, exclude_frozen_parameters: bool = False):
+        """Yield the whole model in its 16-bit dtype as lists of ``(name, whole tensor)`` of at most
+        ``bucket_bytes`` each (a larger tensor comes alone): the weight sync to a generator (vLLM's
+        ``load_weights``). Names and values are ``save_16bit_model``'s (``.bin``: tied weights under each
+        name). Every rank must iterate to the end (gathers); no rank holds more than one bucket plus one
+        tensor beyond its own shards. Read the tensors before asking for the next bucket: they may be
+        the model's own storage (stages 0-2) and are freed again after (ZeRO-3)."""
+        from partita.zero.weight_stream import iter_16bit_weight_buckets
+
+        self.finish_pending_step()
+        if self._offloaded_states is not None:
+            self._offloaded_states.refuse_weights("engine.iter_16bit_weight_buckets()")
+        return iter_16bit_weight_buckets(self.module, self.zero, bucket_bytes=bucket_bytes,
+                                         exclude_frozen_parameters=exclude_frozen_parameters)
 
     # ------------------------------------------------------------------ torch.compile (partita/compile)
     def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None, schedule: Any = None,
