@@ -52,7 +52,7 @@ from partita.integrations.hf_config import resolve_trainer_config
 from partita.integrations.hf_zero3 import HfZero3, enable_zero3, save_pretrained
 from partita.zero.freed import is_freed
 
-__all__ = ["HfZero3", "PartitaTrainer", "enable_zero3", "save_pretrained"]
+__all__ = ["HfZero3", "PartitaTrainer", "enable_zero3", "save_pretrained", "with_partita"]
 
 logger = logging.getLogger("partita")
 
@@ -81,21 +81,47 @@ class PartitaTrainer(Trainer):
             so is ``TrainingArguments(deepspeed=...)``.
     """
 
-    def __init__(self, *args: Any, partita_config: dict | str | os.PathLike, **kwargs: Any) -> None:
-        optimizers = kwargs.get("optimizers")
-        if optimizers is not None and any(o is not None for o in optimizers):
-            raise ValueError(
-                "PartitaTrainer builds the optimizer and scheduler from partita_config; drop optimizers=(...) "
-                "and describe them in the config's \"optimizer\"/\"scheduler\" sections (or the TrainingArguments)"
-            )
-        self.engine = None
-        self._partita_config = partita_config
+    def __init__(self, *args: Any, partita_config: dict | str | os.PathLike | None = None, **kwargs: Any) -> None:
+        # A with_partita(TrainerClass) subclass sets the config before TrainerClass.__init__ runs
+        # (TRL's trainers build and prepare their reference models there) and calls this without it.
+        if partita_config is not None or not hasattr(self, "_partita_config"):
+            if partita_config is None:
+                raise TypeError(f"{type(self).__name__}() needs partita_config= (a DeepSpeed-style config dict or "
+                                "JSON path)")
+            self._partita_config = partita_config
+            self.engine = None
+            self._resolved_config = None
+        _refuse_optimizers(type(self).__name__, kwargs.get("optimizers"))
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
             raise ValueError(
                 "TrainingArguments(deepspeed=...) makes transformers import the deepspeed package itself; "
-                "pass the config to PartitaTrainer(partita_config=...) and leave deepspeed unset"
+                f"pass the config to {type(self).__name__}(partita_config=...) and leave deepspeed unset"
             )
+
+    # ------------------------------------------------------------------ models the Trainer only evaluates
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # TRL's trainers prepare their reference (and GRPO's reward) models with
+        # accelerator.prepare_model(model, evaluation_mode=True) inside their __init__; with DeepSpeed
+        # they build a DeepSpeed inference engine there instead. Answer that call with partita's
+        # (partita/integrations/trl_support.py) before the model is moved whole onto the device.
+        plain = self.accelerator.prepare_model
+
+        def prepare_model(model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+            if evaluation_mode and isinstance(model, torch.nn.Module) and model is not getattr(self, "model", None):
+                return self._prepare_frozen_model(model)
+            return plain(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        self.accelerator.prepare_model = prepare_model
+
+    def _prepare_frozen_model(self, model: torch.nn.Module) -> Any:
+        from partita.integrations.trl_support import prepare_frozen_model
+
+        # The batch sizes and precision are checked against the TrainingArguments now, not at train().
+        config = resolve_trainer_config(self._partita_config, self.args, world_size=self.args.world_size, max_steps=1)
+        return prepare_frozen_model(model, config, device=self.args.device,
+                                    sync_ref_model=bool(getattr(self.args, "sync_ref_model", False)))
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         # A model built under partita.zero.Init holds shards, not storage: Module.to would copy
@@ -118,6 +144,7 @@ class PartitaTrainer(Trainer):
         max_steps = self.state.max_steps
         config = resolve_trainer_config(self._partita_config, self.args, world_size=self.args.world_size,
                                         max_steps=max_steps)
+        self._resolved_config = config
         schedule = None
         if config.get("scheduler") is None:
             args = self.args
@@ -185,10 +212,30 @@ class PartitaTrainer(Trainer):
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.finish_pending_step()
+        if _is_peft_model(self.model) and self._save_adapters(output_dir):
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return
         state = consolidated_16bit_state_dict(self.engine.module, self.engine.zero)  # every rank gathers
         self._save(output_dir, state_dict=state)  # the writing rank calls save_pretrained
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_adapters(self, output_dir: str) -> bool:
+        """A PEFT model's adapters in PEFT's format (partita/integrations/peft_support.py), plus the
+        tokenizer and arguments as ``Trainer._save`` writes them; False when that module is absent
+        (then the whole gathered state goes through PeftModel.save_pretrained, which keeps the
+        adapters' keys)."""
+        try:
+            from partita.integrations.peft_support import save_adapters
+        except ImportError:
+            return False
+        save_adapters(self.model, output_dir, engine=self.engine)  # every rank: it gathers
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        return True
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(output_dir, tag=_TAG)
@@ -208,6 +255,84 @@ class PartitaTrainer(Trainer):
 
 # The partita checkpoint inside each Trainer checkpoint folder (checkpoint-<step>/partita/).
 _TAG = "partita"
+
+# Methods a subclass handed to with_partita must leave to partita: an override would train, clip,
+# schedule or save outside the engine. (training_step and _load_optimizer_and_scheduler may be
+# overridden when they call super(), as TRL's trainers do.)
+_PARTITA_OWNS = ("create_optimizer", "create_scheduler", "_wrap_model", "_clip_grad_norm", "_get_grad_norm",
+                 "_move_model_to_device", "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                 "create_accelerator_and_postprocess")
+_SUBCLASSES: dict[type, type] = {}
+
+
+def with_partita(trainer_class: type) -> type:
+    """A subclass of ``trainer_class`` (``transformers.Trainer`` or any subclass: TRL's
+    ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``, your own) that trains
+    through a partita engine, as :class:`PartitaTrainer` does; it takes ``partita_config=`` besides
+    the class's own arguments. The same class gives the same subclass (cached), named
+    ``"Partita" + trainer_class.__name__``.
+
+    ``trainer_class``'s own methods run first (its ``compute_loss``, ``training_step``, logging,
+    data handling); partita's replace the Trainer's underneath them. Models the class prepares
+    for evaluation only (TRL's reference and reward models) become inference-only engines at
+    ZeRO-3 (partita/integrations/trl_support.py).
+
+    Raises:
+        TypeError: ``trainer_class`` is not a Trainer subclass, or overrides a method partita
+            must own (the message names it).
+    """
+    if trainer_class is Trainer or trainer_class is PartitaTrainer:
+        return PartitaTrainer
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"with_partita expects a transformers.Trainer subclass, got {trainer_class!r}")
+    cached = _SUBCLASSES.get(trainer_class)
+    if cached is not None:
+        return cached
+    if issubclass(trainer_class, PartitaTrainer):
+        return trainer_class  # already trains through partita
+    for klass in trainer_class.__mro__[: trainer_class.__mro__.index(Trainer)]:
+        owned = sorted(set(vars(klass)) & set(_PARTITA_OWNS))
+        if owned:
+            raise TypeError(
+                f"with_partita({trainer_class.__name__}): {klass.__name__} overrides {', '.join(owned)}, which partita "
+                "replaces to train through its engine (building the optimizer, wrapping, clipping, saving); move that "
+                "logic elsewhere (a callback, compute_loss, or training_step calling super())"
+            )
+
+    def __init__(self: Any, *args: Any, partita_config: dict | str | os.PathLike, **kwargs: Any) -> None:
+        _refuse_optimizers(type(self).__name__, kwargs.get("optimizers"))
+        self._partita_config = partita_config  # read by PartitaTrainer, also inside trainer_class.__init__
+        self.engine = None
+        self._resolved_config = None
+        trainer_class.__init__(self, *args, **kwargs)
+
+    name = f"Partita{trainer_class.__name__}"
+    # Method order: trainer_class's overrides, then PartitaTrainer's, then Trainer's (C3 places
+    # PartitaTrainer right above Trainer, below every class of trainer_class's own hierarchy).
+    subclass = type(name, (trainer_class, PartitaTrainer), {
+        "__init__": __init__, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"``{trainer_class.__module__}.{trainer_class.__qualname__}`` training through a partita engine "
+                   "(partita.integrations.hf.with_partita); takes partita_config= besides its own arguments.",
+    })
+    __init__.__qualname__ = f"{name}.__init__"
+    _SUBCLASSES[trainer_class] = subclass
+    return subclass
+
+
+def _refuse_optimizers(name: str, optimizers: Any) -> None:
+    if optimizers is not None and any(o is not None for o in optimizers):
+        raise ValueError(
+            f"{name} builds the optimizer and scheduler from partita_config; drop optimizers=(...) "
+            "and describe them in the config's \"optimizer\"/\"scheduler\" sections (or the TrainingArguments)"
+        )
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 class _EngineOptimizer:
