@@ -82,6 +82,34 @@ def fp32_state_dict(module: nn.Module, zero: ZeroState, *, rank0_only: bool = Tr
     return {name: out[name] for name in expert_export_order(named)}
 
 
+def state_dict_entries(module: nn.Module, *, exclude_frozen_parameters: bool = False
+                       ) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]], dict[int, str]]:
+    """What a 16-bit export holds: ``module.state_dict(keep_vars=True)`` (every key: tied weights under
+    each name, persistent buffers), its unique tensors under their first keys, and tensor identity ->
+    that first key (shared with partita/zero/weight_stream.py)."""
+    entries = module.state_dict(keep_vars=True)
+    if exclude_frozen_parameters:
+        entries = {k: v for k, v in entries.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
+    first_name: dict[int, str] = {}
+    unique = []
+    for name, tensor in entries.items():
+        if id(tensor) not in first_name:
+            first_name[id(tensor)] = name
+            unique.append((name, tensor))
+    return entries, unique, first_name
+
+
+def whole_copies(name: str, tensor: torch.Tensor, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``[(export name, whole tensor)]`` of ``tensor`` (model name ``name``) from this rank's ZeRO-whole
+    value ``full``: a tensor-parallel shard gathered over its tensor group, an expert-parallel expert as
+    every expert rank's copy under its global name (collectives: every rank calls it for the same
+    tensor); anything else ``[(name, full)]`` itself."""
+    shard = _split_of(tensor)
+    if shard is not None:
+        full = gather_whole(full.contiguous(), shard).contiguous()
+    return gather_expert_copies(name, tensor, full)
+
+
 def consolidated_16bit_state_dict(
     module: nn.Module, zero: ZeroState, *, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -90,24 +118,12 @@ def consolidated_16bit_state_dict(
     rank must call it: parameters are gathered one at a time (DeepSpeed's
     ``_zero3_consolidated_16bit_state_dict``; the Hugging Face Trainer saves it with
     ``save_pretrained``)."""
-    entries = module.state_dict(keep_vars=True)  # every key: tied weights under each name, persistent buffers
-    if exclude_frozen_parameters:
-        entries = {k: v for k, v in entries.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
-    first_name: dict[int, str] = {}  # tensor identity -> the first key holding it
-    unique = []
-    for name, tensor in entries.items():
-        if id(tensor) not in first_name:
-            first_name[id(tensor)] = name
-            unique.append((name, tensor))
+    entries, unique, first_name = state_dict_entries(module, exclude_frozen_parameters=exclude_frozen_parameters)
     writer = _is_writer()
     saved: dict[str, list[torch.Tensor]] = {}
     # One parameter gathered at a time (buffers and stage 0-2 parameters need no gather).
     for name, full in iter_full_parameters(zero, unique):
-        shard = _split_of(entries[name])
-        if shard is not None:
-            full = gather_whole(full.contiguous(), shard).contiguous()  # while the ZeRO-3 gather still holds it
-        # An expert-parallel expert: every expert rank's copy (a collective over the expert group).
-        copies = gather_expert_copies(name, entries[name], full)
+        copies = whole_copies(name, entries[name], full)  # while the ZeRO-3 gather still holds it
         if writer:
             saved[name] = [t.to("cpu", copy=True).contiguous() for _, t in copies]
     if not writer:
