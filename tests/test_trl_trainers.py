@@ -8,6 +8,8 @@ batch, so every step sees all of it whatever the sampler's order):
 - ``with_partita(SFTTrainer)`` and ``with_partita(DPOTrainer)`` log the plain trainer's losses
   at ZeRO-2 and ZeRO-3 (2 steps: the second checks the update);
 - ``with_partita(RewardTrainer)`` at ZeRO-3: its loss equals the plain trainer's;
+- ``with_partita(SFTTrainer)`` with a LoRA ``peft_config`` at ZeRO-3: the losses, and the adapters
+  ``save_model`` writes (PEFT's files, whole), equal the plain trainer's;
 - DPO's reference model at ZeRO-3 is an inference-only engine (no optimizer, sharded, frozen);
 - ``with_partita(GRPOTrainer)`` trains 2 steps at ZeRO-3 with rollouts generated from the
   sharded policy in one gathered-once session per call, a reference engine (beta > 0), no hang,
@@ -101,16 +103,24 @@ def _wrap(cls, stage):
     return (cls, {}) if stage is None else (with_partita(cls), {"partita_config": _partita_config(stage)})
 
 
-def _sft(paths: dict, out: str, batch: int, stage: int | None):
+def _sft(paths: dict, out: str, batch: int, stage: int | None, *, lora: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     cls, extra = _wrap(SFTTrainer, stage)
+    if lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                          init_lora_weights="gaussian")
+        torch.manual_seed(2)  # the adapters' initial weights
     args = SFTConfig(**_common(out, batch), num_train_epochs=2, max_length=32, packing=False)
     trainer = cls(model=AutoModelForCausalLM.from_pretrained(paths["lm"]), args=args,
                   train_dataset=_datasets()["sft"], processing_class=AutoTokenizer.from_pretrained(paths["tok"]),
                   **extra)
     trainer.train()
+    if lora:
+        trainer.save_model(os.path.join(out, "adapters"))
     return trainer
 
 
@@ -174,6 +184,7 @@ def _on_ranks(paths: dict, out: str) -> dict:
             "sharded": all(is_freed(p) for p in ref.parameters()),
             "training": ref.training if isinstance(ref, torch.nn.Module) else ref.module.training,
         }
+    got["lora3"] = _losses(_sft(paths, os.path.join(out, "lora3"), 2, 3, lora=True))
     got["rm3"] = _losses(_reward(paths, os.path.join(out, "rm3"), 2, 3))
     grpo = _grpo(paths, os.path.join(out, "grpo3"), 3)
     got["grpo3"] = _losses(grpo)
@@ -190,9 +201,11 @@ def test_trl_trainers_through_partita_match_plain_trl(tmp_path) -> None:
         "sft": _losses(_sft(paths, str(tmp_path / "plain_sft"), 4, None)),
         "dpo": _losses(_dpo(paths, str(tmp_path / "plain_dpo"), 4, None)),
         "rm": _losses(_reward(paths, str(tmp_path / "plain_rm"), 4, None)),
+        "lora": _losses(_sft(paths, str(tmp_path / "plain_lora"), 4, None, lora=True)),
     }
     assert len(plain["sft"]) == len(plain["dpo"]) == 2 and len(plain["rm"]) == 1, plain
-    for key, want in (("sft2", "sft"), ("sft3", "sft"), ("dpo2", "dpo"), ("dpo3", "dpo"), ("rm3", "rm")):
+    for key, want in (("sft2", "sft"), ("sft3", "sft"), ("dpo2", "dpo"), ("dpo3", "dpo"), ("rm3", "rm"),
+                      ("lora3", "lora")):
         assert r0[key] == r1[key], key  # the Trainer logs the mean over ranks
         assert len(r0[key]) == len(plain[want]), (key, r0[key], plain[want])
         for got, ref in zip(r0[key], plain[want]):
@@ -204,6 +217,15 @@ def test_trl_trainers_through_partita_match_plain_trl(tmp_path) -> None:
                               "sharded": False, "training": False}
     assert r0["grpo3_steps"] == 2 and len(r0["grpo3"]) == 2 and all(math.isfinite(x) for x in r0["grpo3"]), r0
     assert r0["grpo3_mode"] == "gather_once" and r0["grpo3_ref"] == "ZeroInferenceEngine"
+    # save_model of a LoRA model at ZeRO-3 writes PEFT's adapter files, whole: the plain trainer's adapters.
+    from safetensors.torch import load_file
+
+    ours = load_file(str(tmp_path / "partita" / "lora3" / "adapters" / "adapter_model.safetensors"))
+    theirs = load_file(str(tmp_path / "plain_lora" / "adapters" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 8, sorted(ours)
+    for name, want in theirs.items():
+        assert ours[name].shape == want.shape and want.abs().sum() > 0, name
+        assert float((ours[name] - want).norm()) <= 1e-5 * float(want.norm()), name
 
 
 def test_with_partita_builds_one_named_subclass_per_trainer(tmp_path) -> None:

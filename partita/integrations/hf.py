@@ -1,4 +1,5 @@
-"""Train with the Hugging Face ``Trainer`` under partita ZeRO: :class:`PartitaTrainer`.
+"""Train with the Hugging Face ``Trainer`` (or any subclass) under partita ZeRO: :class:`PartitaTrainer`
+and :func:`with_partita`.
 
 transformers' own DeepSpeed path (``TrainingArguments(deepspeed=...)``) imports the
 ``deepspeed`` package itself (``transformers.integrations.deepspeed``, accelerate's
@@ -27,6 +28,16 @@ loading and sharding across ranks, is the Trainer's own):
   ``save_pretrained`` (``from_pretrained`` loads them); checkpoints add a partita checkpoint
   (``engine.save_checkpoint``) to the Trainer's checkpoint folder, and
   ``train(resume_from_checkpoint=...)`` resumes from it (weights, optimizer, scheduler, step).
+
+Any ``Trainer`` subclass trains the same way through ``with_partita(TrainerClass)`` (TRL's
+``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``; ``PartitaTrainer`` is
+``with_partita(Trainer)``): the subclass's own methods run first and partita's replace the
+Trainer's beneath them. Models the Trainer prepares for evaluation only
+(``accelerator.prepare_model(m, evaluation_mode=True)``: TRL's reference and reward models) become
+inference-only engines at ZeRO-3 and frozen copies on the device at stages 0-2
+(:mod:`partita.integrations.trl_support`); generation (GRPO's rollouts) goes through
+``engine.generate``, gathered once per call at ZeRO-3; ``save_model`` of a PEFT model writes its
+adapters (:func:`partita.integrations.peft_support.save_adapters`).
 
 A model built inside ``partita.zero.Init(config_dict_or_path=...)`` can be passed as is.
 transformers' own ZeRO-3 utilities (``from_pretrained`` into shards, ``resize_token_embeddings``,
