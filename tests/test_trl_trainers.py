@@ -244,6 +244,8 @@ def test_with_partita_builds_one_named_subclass_per_trainer(tmp_path) -> None:
     assert with_partita(DPOTrainer) is not sft
     with pytest.raises(TypeError, match=r"with_partita expects a transformers.Trainer subclass"):
         with_partita(dict)
+    with pytest.raises(TypeError, match=r"PartitaTrainer\(\) needs partita_config="):
+        PartitaTrainer(args=None)
 
     class Mine(Trainer):
         def create_optimizer(self, model=None):
@@ -251,3 +253,24 @@ def test_with_partita_builds_one_named_subclass_per_trainer(tmp_path) -> None:
 
     with pytest.raises(TypeError, match=r"with_partita\(Mine\): Mine overrides create_optimizer"):
         with_partita(Mine)
+
+
+def test_frozen_models_refuse_sync_ref_model_at_zero3_and_stay_whole_below() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from partita.config import ConfigError
+    from partita.integrations.trl_support import frozen_model_config, prepare_frozen_model
+
+    config = {**_partita_config(3), "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "bf16": {"enabled": True},
+              "scheduler": {"type": "WarmupLR"}, "checkpoint": {"save_on_signal": True}}
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert frozen_model_config(config) == {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                           "bf16": {"enabled": True}}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ConfigError, match=r"sync_ref_model=True is not supported with a partita ZeRO-3 config"):
+        prepare_frozen_model(model, config, device=torch.device("cpu"), sync_ref_model=True)
+    frozen = prepare_frozen_model(model, {**config, "zero_optimization": {"stage": 2}}, device=torch.device("cpu"),
+                                  sync_ref_model=True)
+    assert frozen is model and not frozen.training and {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in frozen.parameters())
