@@ -22,14 +22,17 @@ RUNS = [  # (label, stage, bf16, offload_optimizer)
     ("stage3-bf16", 3, True, False),
     ("stage2-offload", 2, False, True),
 ]
+# Offloaded in the middle of an accumulation window (gradient_accumulation_steps 2, after 2 steps and one
+# micro-batch): stage 1 holds the window's gradients in param.grad, stage 2 in its fp32 gradient partition.
+ACCUMULATING = [("stage1-accum", 1, "lp_grads"), ("stage2-accum", 2, "contiguous_grad_buffer")]
 
 
-def _config(stage: int, bf16: bool, offload: bool) -> dict:
+def _config(stage: int, bf16: bool, offload: bool, gas: int = 1) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 60, "allgather_bucket_size": 50,
             "stage3_param_persistence_threshold": 10}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 0.5, "steps_per_print": 1000,
+    cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": 0.5, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
            "zero_optimization": zero}
     if bf16:
@@ -38,13 +41,36 @@ def _config(stage: int, bf16: bool, offload: bool) -> dict:
 
 
 def _train(engine, steps: range) -> None:
+    gas = engine.gradient_accumulation_steps()
+    _train_micro(engine, range(steps.start * gas, steps.stop * gas))
+
+
+def _train_micro(engine, micro_batches: range) -> None:
     import torch.distributed as dist
 
     xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    micro, lo = engine.train_micro_batch_size_per_gpu(), dist.get_rank() * engine.train_micro_batch_size_per_gpu()
-    for step in steps:
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    for m in micro_batches:
+        step, lo = m // gas, (dist.get_rank() * gas + m % gas) * micro
         engine.backward(engine(xs[step][lo:lo + micro], ys[step][lo:lo + micro]))
         engine.step()
+
+
+def _accumulating(stage: int, kind: str) -> dict:
+    import partita
+
+    runs = []
+    for interrupted in (False, True):
+        model = build_block_model()
+        engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model),
+                                             config=_config(stage, False, False, gas=2))
+        _train_micro(engine, range(5))
+        moved = engine.offload_states() if interrupted else None
+        engine.reload_states()  # a no-op when nothing is offloaded
+        _train_micro(engine, range(5, 2 * STEPS))
+        runs.append({"snapshot": _snapshot(engine), "moved": moved})
+        engine.destroy()
+    return {"want": runs[0]["snapshot"], "got": runs[1]["snapshot"], "moved": runs[1]["moved"][kind]}
 
 
 def _snapshot(engine) -> dict:
@@ -100,10 +126,35 @@ def _refusals(engine) -> dict:
     return out
 
 
+def _inference_engine() -> dict:
+    """ZeRO-Inference (ZeRO-3, no optimizer): its 16-bit shards move, its forward refuses, and after the
+    reload it computes the same loss bit for bit."""
+    import partita
+
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}, "bf16": {"enabled": True},
+           "steps_per_print": 1000}
+    engine, _, _, _ = partita.initialize(model=build_block_model(), config=cfg)
+    xs, ys = make_batches(1, 2)
+    with torch.no_grad():
+        before = engine(xs[0], ys[0])
+        moved = engine.offload_states(include=["lp_params", "optim_states"])
+        shard_bytes = sum(s.numel() * s.element_size() for s in engine.zero.gatherer.shards)
+        try:
+            engine(xs[0], ys[0])
+            refused = None
+        except RuntimeError as err:
+            refused = str(err)
+        engine.reload_states()
+        after = engine(xs[0], ys[0])
+    return {"before": before, "after": after, "moved": moved, "shard_bytes": shard_bytes, "refused": refused}
+
+
 def body() -> dict:
     import partita
 
-    results = {}
+    results = {"inference": _inference_engine()}
+    for label, stage, kind in ACCUMULATING:
+        results[label] = _accumulating(stage, kind)
     for label, stage, bf16, offload in RUNS:
         cfg = _config(stage, bf16, offload)
         model = build_block_model()
@@ -173,6 +224,15 @@ def test_offload_reload_continues_bit_identically_at_every_stage() -> None:
                 assert r["moved"]["lp_params"] > 0, (label, r["moved"])
             assert r["moved"]["lp_grads"] == r["moved"]["contiguous_grad_buffer"] == 0, (label, r["moved"])
         assert results["stage2-offload"]["kept"] and all(results["stage2-offload"]["kept"].values())
+    for rank, results in enumerate(per_rank):
+        for label, *_ in ACCUMULATING:
+            _equal(results[label]["got"], results[label]["want"], f"rank {rank} {label}")
+            assert results[label]["moved"] > 0, label  # the window's gradients did move
+    inference = per_rank[0]["inference"]
+    assert torch.equal(inference["before"], inference["after"])
+    assert inference["moved"]["lp_params"] > inference["shard_bytes"] > 0  # the shards and the persistent weights
+    assert inference["moved"]["optim_states"] == 0  # it has no optimizer
+    assert inference["refused"].startswith("the model's forward: the engine's states are offloaded")
     refusals = per_rank[0]["refusals"]
     fix = "the engine's states are offloaded to host memory (offload_states(include={})); call engine.reload_states() first"
     assert refusals["backward"] == "engine.backward(): " + fix.format("['optim_states']")
