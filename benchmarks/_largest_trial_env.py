@@ -14,7 +14,7 @@ from _largest_search import Setting, gpt_params
 
 GIB = 2**30
 MIB = 2**20
-H200_GPU_BYTES = int(139.8 * GIB)  # what torch reports on the lent H200s (docs/performance.md)
+H200_GPU_BYTES = int(139.8 * GIB)  # what torch reports on the lent H200s (docs/performance/index.md)
 # --tiny: capacities in the range of the tiny ladder's estimates (d 64, 2-9 layers, fp32), so
 # that the estimator's starting rung differs between settings.
 TINY_CAPACITIES = {"gpu_bytes": int(4.6 * MIB), "host_bytes": 260 * MIB, "disk_bytes": 120 * MIB}

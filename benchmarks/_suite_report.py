@@ -1,6 +1,6 @@
 """Facts that go next to every figure of the throughput suite (date, hardware, versions, the
-exact command, the commit and whether the tree was dirty) and the markdown section appended to
-docs/performance.md.
+exact command, the commit and whether the tree was dirty) and the markdown section appended to a
+dated report, benchmarks/results/<date>-report.md (docs/performance/index.md lists them).
 
 The hardware is probed in a short-lived subprocess: initializing CUDA in the driver would keep
 a CUDA context (hundreds of MiB) on GPU 0 for the whole suite, memory the measured engines
@@ -124,7 +124,7 @@ def _legend(meta: dict[str, Any]) -> str:
 
 
 def docs_section(meta: dict[str, Any], grouped: dict[int, list[Result]], *, json_path: str | None) -> str:
-    """The dated markdown section for docs/performance.md."""
+    """The dated markdown section for a report under benchmarks/results/."""
     shape = meta["model_shape"]
     params = next((r["params"] for g in grouped.values() for r in g if r.get("params")), None)
     where = meta["hardware"] if meta["device"] == "cuda" else f"CPU ({meta['hardware']})"

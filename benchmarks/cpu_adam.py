@@ -26,7 +26,7 @@ read: 7 fp32 accesses) over the step time: the kernel is memory-bound at these s
 says how close each one gets to the machine's bandwidth.
 
 Results: a JSON file under ``benchmarks/results/`` and a Markdown table on stdout (the figures go
-into docs/performance.md by hand, next to the end-to-end ones).
+into that day's report, benchmarks/results/<date>-report.md, by hand, next to the end-to-end ones).
 """
 
 from __future__ import annotations

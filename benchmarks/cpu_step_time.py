@@ -25,10 +25,11 @@ offload cost of each engine is a ratio of launches minutes apart. On a CPU-only 
 "device" is the host: this measures the transfer machinery and the host optimizer kernel, not
 PCIe traffic.
 
-Results: a JSON file under ``benchmarks/results/`` and a dated section appended to
-``docs/performance.md`` (date, hardware, versions, the exact command, the table). DeepSpeed is a
-benchmark-only dependency: install it into the benchmark environment (see docs/performance.md),
-never into partita's.
+Results: a JSON file under ``benchmarks/results/`` and a dated section appended to that day's
+report, ``benchmarks/results/<date>-report.md`` (date, hardware, versions, the exact command, the
+table); the documentation's performance page (docs/performance/index.md) lists the reports.
+DeepSpeed is a benchmark-only dependency: install it into the benchmark environment (see
+docs/performance/method.md), never into partita's.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ from common import (  # noqa: E402
 from output_paths import output_dir  # noqa: E402
 
 WORKER = HERE / "cpu_step_worker.py"
-DOCS = REPO / "docs" / "performance.md"
+# Dated reports live beside the raw results; the docs site links them (docs/performance/index.md).
+DOCS = REPO / "benchmarks" / "results" / f"{dt.date.today().isoformat()}-report.md"
 
 
 def parse_args() -> argparse.Namespace:
@@ -327,9 +329,9 @@ def ensure_docs_header() -> None:
         return
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     DOCS.write_text(
-        "# Performance\n\n"
-        "Every figure partita publishes, with the date, the hardware, the exact command and the peers\n"
-        "measured in the same run. Sections are appended by the scripts under `benchmarks/`; newest last.\n"
+        f"# Benchmark report, {dt.date.today().isoformat()}\n\n"
+        "Sections appended by the scripts under `benchmarks/`, newest last; the current figures are in\n"
+        "[docs/performance/index.md](../../docs/performance/index.md).\n"
     )
 
 

@@ -1,7 +1,8 @@
 """Side-by-side throughput suite: the reference GPT trained with partita at ZeRO 0-3, DeepSpeed
 at the same stages, torch FSDP2 (``fully_shard`` per block) and plain torch (DDP on several
 GPUs), eager and compiled, in one run; prints one table per rank count and optionally writes
-the raw results as JSON and appends a dated section to docs/performance.md.
+the raw results as JSON and appends a dated section to a report
+(``--append-docs benchmarks/results/<date>-report.md``; docs/performance/index.md lists them).
 
 Each engine runs in its own torchrun job (fresh process, fresh CUDA memory), on the same model,
 data and optimizer settings: bf16, AdamW (torch's fused kernel for every engine), gradient
@@ -28,18 +29,18 @@ Next GPU session (DeepSpeed 0.19.8 installed in the benchmark environment):
 
     # one H200
     python benchmarks/gpu_throughput.py --suite --model gpt_125m --nproc 1 \\
-        --json benchmarks/results/suite_gpt_125m_1gpu.json --append-docs docs/performance.md
+        --json benchmarks/results/suite_gpt_125m_1gpu.json --append-docs benchmarks/results/$(date +%F)-report.md
     python benchmarks/gpu_throughput.py --suite --offload --model gpt_1_3b --nproc 1 \\
-        --json benchmarks/results/suite_gpt_1_3b_1gpu.json --append-docs docs/performance.md
+        --json benchmarks/results/suite_gpt_1_3b_1gpu.json --append-docs benchmarks/results/$(date +%F)-report.md
     # two H200: GPT-1.3B at 1 and 2 GPUs (scaling), GPT-7B at ZeRO-3 (micro-batch 2 fits 2 x 141 GB)
     python benchmarks/gpu_throughput.py --suite --model gpt_1_3b --nproc 1,2 \\
-        --json benchmarks/results/suite_gpt_1_3b_2gpu.json --append-docs docs/performance.md
+        --json benchmarks/results/suite_gpt_1_3b_2gpu.json --append-docs benchmarks/results/$(date +%F)-report.md
     python benchmarks/gpu_throughput.py --model gpt_7b --micro-batch 2 --nproc 2 \\
         --engines fsdp2,fsdp2c,partita3,partita3c,deepspeed3,partita2 \\
-        --json benchmarks/results/suite_gpt_7b_2gpu.json --append-docs docs/performance.md
+        --json benchmarks/results/suite_gpt_7b_2gpu.json --append-docs benchmarks/results/$(date +%F)-report.md
 
 A command cut short by a time limit keeps what finished: ``--json`` is rewritten after every
-engine, and ``--from-json a.json b.json --append-docs docs/performance.md`` rebuilds the tables
+engine, and ``--from-json a.json b.json --append-docs benchmarks/results/$(date +%F)-report.md`` rebuilds the tables
 (and the docs section) from saved runs of the same commit, model and hardware without running
 anything.
 

@@ -11,7 +11,7 @@ host ≤ (1 - headroom) × 128 GiB, NVMe swap files ≤ 64 GiB of disk.
 
 The estimator's model states are exact against partita's allocations; activations are within
 3% of saved-tensor bytes measured on CPU; on the GPU its peaks came within 0.1-3% of measured
-ones (docs/performance.md), so a size at the edge of a limit still needs the GPU run.
+ones (benchmarks/results/2026-12-01-report.md), so a size at the edge of a limit still needs the GPU run.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     # One H200, issue 16's figures in budgeted runs (JSON rewritten after every row):
     python benchmarks/long_context.py one-gpu --out r.json                 # all phases, --budget-s 480
-    # in three commands of under 10 minutes each (docs/performance.md):
+    # in three commands of under 10 minutes each (benchmarks/results/2026-12-01-report.md):
     python benchmarks/long_context.py one-gpu --skip-plain --skip-levers --budget-s 470 --out a.json
     python benchmarks/long_context.py one-gpu --skip-throughput --skip-sparse --search-steps 2 \
         --lever-seqs 262144 --budget-s 470 --out b.json

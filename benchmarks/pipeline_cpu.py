@@ -13,7 +13,7 @@ layers, seeds, partition and micro-batches.
 
 Each of ``--launches`` ``torchrun --nproc-per-node 4`` jobs runs every configuration of both
 engines in one gloo process group (``--ds-python``: a venv with DeepSpeed and partita, as
-docs/performance.md's benchmark environment); the configurations take turns over ``--rounds``
+docs/performance/method.md's benchmark environment); the configurations take turns over ``--rounds``
 rounds, in an order rotated each round (``pipeline_cpu_worker``), so both engines see the same
 load of a shared machine. Figures:
 

@@ -1,8 +1,8 @@
 """The throughput suite's logic on CPU: engine names, peers, ratios, tables, the docs section,
 the OOM and skip paths, and one end-to-end smoke run (2 gloo processes per engine).
 
-The suite exists to be run on GPUs; these tests make sure that what it prints and appends to
-docs/performance.md is computed from what it measured, before any GPU time is spent on it.
+The suite exists to be run on GPUs; these tests make sure that what it prints and appends to a
+dated report (benchmarks/results/<date>-report.md) is computed from what it measured, before any GPU time is spent on it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def test_gpt_activation_formula_by_hand():
 
 
 def test_estimate_against_h200_measurements():
-    """docs/performance.md, run 3: GPT-1.3B, seq 2048, micro-batch 8, bf16 AdamW, buckets 5e8,
+    """benchmarks/results/2026-11-29-report.md, run 3: GPT-1.3B, seq 2048, micro-batch 8, bf16 AdamW, buckets 5e8,
     peak torch.cuda.max_memory_allocated on H200s. The estimate is within 3% of each (0.1-2.9%
     below: allocator rounding and small temporaries are not counted; recommend_config keeps a
     headroom for them)."""
@@ -47,7 +47,7 @@ def test_estimate_against_h200_measurements():
 
 
 def test_estimate_against_one_h200_memory_breakdown():
-    """docs/performance.md, "Memory breakdown at the peak": one H200, 2026-12-01,
+    """benchmarks/results/2026-12-01-report.md, "Memory breakdown at the peak": one H200, 2026-12-01,
     benchmarks/memory_breakdown_gpu.py (the loop drops the logits, so the estimate's "bf16 logits
     returned to the caller" line is left out). GPT-1.3B, micro-batch 8: ZeRO-1/2 50.59 GiB, ZeRO-3
     48.34; GPT-6.7B, micro-batch 1, every block checkpointed, ZeRO-3: 101.38. Within 0.5% each.

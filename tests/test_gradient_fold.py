@@ -49,7 +49,7 @@ def _peak(micro_batch: int, stage: int, checkpointing: str, end: bool, *, stream
 
 
 def test_estimated_peaks_of_the_streamed_step():
-    # No fp32 partition: measured on one H200 (docs/performance.md) GPT-1.3B micro-batch 1 20.05 GiB
+    # No fp32 partition: measured on one H200 (benchmarks/results/2026-12-01-report.md) GPT-1.3B micro-batch 1 20.05 GiB
     # at stages 1-2, 19.14 at stage 3 (FSDP2 20.24; early 23.30), micro-batch 2 23.31, micro-batch 8 48.33 (both FSDP2's),
     # GPT-6.7B ZeRO-3 checkpointed 88.04 (FSDP2 100.81; early 101.38).
     assert round(_peak(1, 2, "none", False, stream=True), 2) == 19.82  # the end of backward: the blocks are back
@@ -82,7 +82,7 @@ def test_auto_takes_stream_wherever_it_applies():
 def test_estimated_peaks_of_both_rules():
     # GPT-1.3B, one rank. "end" frees each block's weights again after its backward
     # (one_rank_weights.py): before that, with 2.25 GiB of block weights beside the gradients at
-    # the end of backward, the estimate was 24.70 at micro-batch 1 (the figure docs/performance.md
+    # the end of backward, the estimate was 24.70 at micro-batch 1 (the figure benchmarks/results/2026-12-01-report.md
     # recorded for the rule before early folding) and 24.89 at micro-batch 2 (measured: 24.57).
     assert round(_peak(1, 2, "none", True), 2) == 22.45
     assert round(_peak(1, 2, "none", False), 2) == 23.29

@@ -91,7 +91,7 @@ class GPTConfig:
 
     @classmethod
     def gpt_1_3b(cls) -> GPTConfig:
-        """The 1.3 B-parameter reference model of the GPU benchmarks (docs/performance.md)."""
+        """The 1.3 B-parameter reference model of the GPU benchmarks (docs/performance/index.md)."""
         return cls(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
 
     @classmethod

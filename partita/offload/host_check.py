@@ -5,7 +5,7 @@ partition (fp32 master, fp32 gradient, two Adam moments), and 18 with the bf16 p
 offloaded too. When that is more than the node has, the run is killed by the kernel's OOM killer
 or pushes the machine into swap, a minute or more into the run and with nothing to act on. On
 one H200 host (125 GiB available) an 8.27 B GPT with the optimizer offloaded died that way
-(docs/performance.md, "The largest GPT per offload setting").
+(benchmarks/results/2026-12-01-report.md, "The largest GPT per offload setting").
 
 The check compares partita's estimate of its own host buffers (:mod:`partita.estimate`, exact for
 the model states) with the host memory available to this rank (``MemAvailable`` divided between

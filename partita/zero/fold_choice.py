@@ -16,7 +16,7 @@ optimizer step read ``param.grad`` itself ("stream", streamed_step.py). The valu
   backward, as with early), never a partition. At no point does it hold more than early (the
   step's fp32 buffer is one 64 MiB range), so "auto" takes it wherever it applies, for any model:
   one process, no offload, torch's fused Adam/AdamW or a block-wise 8-bit optimizer, no fp32
-  accumulation, and accumulation only at stages 0-1. Measured on one H200 (docs/performance.md):
+  accumulation, and accumulation only at stages 0-1. Measured on one H200 (benchmarks/results/2026-12-01-report.md):
   GPT-1.3B micro-batch 1 20.05 GiB at ZeRO-1/2 (19.14 at ZeRO-3) against early's 23.30, end's
   22.32 and FSDP2's 20.24, at early's tokens/s; GPT-6.7B ZeRO-3 checkpointed 88.04 against 101.38
   and FSDP2's 100.81.
