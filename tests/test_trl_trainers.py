@@ -11,6 +11,7 @@ batch, so every step sees all of it whatever the sampler's order):
 - ``with_partita(SFTTrainer)`` with a LoRA ``peft_config`` at ZeRO-3: the losses, and the adapters
   ``save_model`` writes (PEFT's files, whole), equal the plain trainer's;
 - DPO's reference model at ZeRO-3 is an inference-only engine (no optimizer, sharded, frozen);
+  under a bf16 config it is cast to bf16 before sharding and its logits equal the whole bf16 model's;
 - ``with_partita(GRPOTrainer)`` trains 2 steps at ZeRO-3 with rollouts generated from the
   sharded policy in one gathered-once session per call, a reference engine (beta > 0), no hang,
   finite losses.
@@ -167,6 +168,24 @@ def _grpo(paths: dict, out: str, stage: int | None):
     return trainer
 
 
+def _bf16_reference(paths: dict) -> dict:
+    """A reference engine under a bf16 config: cast to bf16 before sharding, logits of the whole bf16 model."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from partita.integrations.trl_support import prepare_frozen_model
+
+    model = AutoModelForCausalLM.from_pretrained(paths["lm"])
+    whole = copy.deepcopy(model).to(torch.bfloat16).eval()
+    ids = torch.randint(4, 62, (2, 12), generator=torch.Generator().manual_seed(5))
+    engine = prepare_frozen_model(model, {**_partita_config(3), "bf16": {"enabled": True}}, device=torch.device("cpu"))
+    with torch.no_grad():
+        got, want = engine(input_ids=ids).logits, whole(input_ids=ids).logits
+    return {"dtypes": sorted({str(p.dtype) for p in engine.parameters()}), "equal": torch.equal(got, want),
+            "type": type(engine).__name__}
+
+
 def _on_ranks(paths: dict, out: str) -> dict:
     from partita.zero.freed import is_freed
     from partita.zero.inference_engine import ZeroInferenceEngine
@@ -184,6 +203,7 @@ def _on_ranks(paths: dict, out: str) -> dict:
             "sharded": all(is_freed(p) for p in ref.parameters()),
             "training": ref.training if isinstance(ref, torch.nn.Module) else ref.module.training,
         }
+    got["bf16_ref"] = _bf16_reference(paths)
     got["lora3"] = _losses(_sft(paths, os.path.join(out, "lora3"), 2, 3, lora=True))
     got["rm3"] = _losses(_reward(paths, os.path.join(out, "rm3"), 2, 3))
     grpo = _grpo(paths, os.path.join(out, "grpo3"), 3)
@@ -215,6 +235,7 @@ def test_trl_trainers_through_partita_match_plain_trl(tmp_path) -> None:
                               "sharded": True, "training": False}
     assert r0["dpo2_ref"] == {"type": "LlamaForCausalLM", "inference": False, "no_optimizer": True, "frozen": True,
                               "sharded": False, "training": False}
+    assert r0["bf16_ref"] == {"dtypes": ["torch.bfloat16"], "equal": True, "type": "ZeroInferenceEngine"}, r0["bf16_ref"]
     assert r0["grpo3_steps"] == 2 and len(r0["grpo3"]) == 2 and all(math.isfinite(x) for x in r0["grpo3"]), r0
     assert r0["grpo3_mode"] == "gather_once" and r0["grpo3_ref"] == "ZeroInferenceEngine"
     # save_model of a LoRA model at ZeRO-3 writes PEFT's adapter files, whole: the plain trainer's adapters.

@@ -8,9 +8,9 @@ copy per rank) otherwise. A partita trainer (:func:`partita.integrations.hf.with
 intercepts that ``prepare_model`` call and gives the model :func:`prepare_frozen_model`'s answer:
 
 - **ZeRO-3**: ``partita.initialize(model=..., config=<stage 3, no optimizer>)``, an inference-only
-  :class:`partita.zero.inference_engine.ZeroInferenceEngine`: the weights are sharded over the
-  ranks in their 16-bit (or fp32) dtype, no fp32 masters, no optimizer state, and each forward
-  gathers unit by unit as in training (DeepSpeed's reference engine, without its per-token cost);
+  :class:`partita.zero.inference_engine.ZeroInferenceEngine`: the weights are cast to the config's
+  16-bit dtype (if any) and sharded over the ranks, no fp32 masters, no optimizer state, and each
+  forward gathers unit by unit as in training (DeepSpeed's reference engine);
 - **stages 0-2**: the model itself, frozen (``requires_grad_(False)``), in ``eval()`` mode, on the
   Trainer's device and in the config's 16-bit dtype (what DeepSpeed's stage-0 engine does with
   ``bf16``/``fp16`` enabled). Nothing to shard: every rank holds it whole.
@@ -77,7 +77,14 @@ def prepare_frozen_model(model: nn.Module, config: dict, *, device: torch.device
                 "both models; set sync_ref_model=False, or train at ZeRO stage 0-2 (the reference model stays whole)"
             )
         import partita
+        from partita.zero.freed import is_freed
 
+        dtype = _dtype_of(config)
+        # The inference-only engine keeps the model's dtype: cast to the config's 16-bit dtype first, on
+        # the model's own device, as DeepSpeed's reference engine does (half the bytes of an fp32 copy). A
+        # model built under zero.Init holds shards already, in the dtype zero.Init gave them.
+        if dtype is not None and not any(is_freed(p) for p in model.parameters()):
+            model.to(dtype)
         _own_storage(model)
         engine, _, _, _ = partita.initialize(model=model, config=frozen_model_config(config))
         engine.eval()
