@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from partita.checkpoint import format as fmt
+import partita.checkpoint.format as fmt
 from partita.checkpoint.errors import CheckpointMismatchError
+from partita.checkpoint.locations import param_names, shard_file_of
 from partita.checkpoint.reshard import ShardReader
 from partita.checkpoint.safetensors_io import TensorEntry
+from partita.checkpoint.tensor_layout import read_elements
 
 if TYPE_CHECKING:
     from partita.engine import Engine
@@ -49,8 +51,6 @@ def frozen_entries(engine: Engine, names: dict[torch.nn.Parameter, str], *, copy
 
 def frozen_meta(engine: Engine, names: dict[torch.nn.Parameter, str]) -> dict[str, Any]:
     """meta.json's ``model.frozen_shards``: where each rank's range of each parameter is."""
-    from partita.checkpoint.snapshot import shard_file_of
-
     frozen = _frozen_of(engine)
     if frozen is None:
         return {}
@@ -87,9 +87,6 @@ def read_range(reader: ShardReader, model_meta: dict[str, Any], source: str, sta
 @torch.no_grad()
 def load_frozen(engine: Engine, reader: ShardReader, meta: dict[str, Any], *, strict: bool) -> None:
     """Each sharded frozen parameter of this run: this rank's range, from wherever the checkpoint has it."""
-    from partita.checkpoint.snapshot import param_names
-    from partita.checkpoint.tensor_layout import read_elements
-
     frozen = _frozen_of(engine)
     if frozen is None:
         return

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
-from partita.checkpoint import format as fmt
+import partita.checkpoint.format as fmt
 from partita.checkpoint.config import CheckpointConfig
 from partita.checkpoint.errors import CheckpointError, CheckpointSyncError
 from partita.checkpoint.jsoncodec import encode

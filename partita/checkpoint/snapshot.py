@@ -15,16 +15,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from partita.checkpoint import format as fmt
+import partita.checkpoint.format as fmt
+from partita.checkpoint.frozen import frozen_entries, frozen_meta
 from partita.checkpoint.jsoncodec import encode
+# Names and rank files live a layer below, where frozen.py reads them too; re-exported here,
+# where load.py and partita/pipe/checkpoint.py have always imported them from.
+from partita.checkpoint.locations import (checkpoint_state_dict, param_names, piece_files, shard_file_of,
+                                          tensor_rank_files)
 from partita.checkpoint.rng import capture_rng, rng_metadata
 from partita.checkpoint.safetensors_io import TensorEntry
 from partita.checkpoint.state_layout import StateLayout, block_range, classify_state, element_stop
 from partita.checkpoint.tensor_layout import tensor_param_record
 from partita.data.sampler import ResumableDistributedSampler
-from partita.distributed.topology import Axis
-from partita.moe.registry import (checkpoint_name, expert_ep_size, expert_names_elsewhere, expert_parallel_keys,
-                                  expert_piece_ranks, expert_shard_of, global_expert_names)
+from partita.moe.registry import (checkpoint_name, expert_names_elsewhere, expert_parallel_keys, expert_shard_of,
+                                  global_expert_names)
 from partita.tensor_parallel.layers import tensor_shard_of
 from partita.zero.partition import ShardSpec
 
@@ -54,18 +58,6 @@ class Snapshot:
 
     files: list[FilePlan] = field(default_factory=list)
     meta: dict[str, Any] | None = None
-
-
-def param_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    """Each parameter's checkpoint name: its state_dict name (the first one, for a tied
-    parameter), with an MoE expert's local index replaced by its global one (partita/moe/registry.py)."""
-    return {p: checkpoint_name(name, p) for name, p in module.named_parameters()}
-
-
-def checkpoint_state_dict(module: torch.nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` under checkpoint names (MoE experts by global index)."""
-    renamed = {name: checkpoint_name(name, p) for name, p in module.named_parameters(remove_duplicate=False)}
-    return {renamed.get(k, k): v for k, v in module.state_dict().items()}
 
 
 def sharded_param_keys(engine: Engine) -> set[str]:
@@ -144,38 +136,12 @@ def tensor_sharded_keys(module: torch.nn.Module) -> set[str]:
             if split_of(p) is not None or name in experts}
 
 
-def tensor_rank_files(engine: Engine, tensor_rank: int) -> list[str]:
-    """Rank files of the ZeRO group of tensor rank ``tensor_rank`` (this rank's pipeline stage),
-    in ZeRO-rank order: where that tensor rank's pieces are written."""
-    grid = engine.topology.mesh.mesh  # (pipe, data, sequence, tensor), tensor innermost
-    pipe = engine.topology.coordinate()[Axis.PIPE]
-    return [fmt.rank_file(int(r)) for r in grid[pipe, :, :, tensor_rank].reshape(-1).tolist()]
-
-
-def shard_file_of(engine: Engine, shard_rank: int) -> str:
-    """The file holding shard ``shard_rank``: the rank file of the data rank that owns it."""
-    group = engine.topology.zero_group
-    if engine.topology.zero_size > 1:
-        return fmt.rank_file(dist.get_global_rank(group, shard_rank))
-    # One shard: the first rank of this rank's ZeRO group wrote it (rank 0, except on later
-    # pipeline stages, whose first rank writes its own stage's shards).
-    return fmt.rank_file(engine.topology.zero_group_ranks()[0])
-
-
 def writes_shards(engine: Engine, group=None) -> bool:
     """Whether this rank writes a ZeRO group's shards (default: the first group): all ranks when
     sharded, else the first rank of the group's comm (the ZeRO group, or an expert-data group)."""
     group = engine.optimizer.groups[0] if group is None else group
     rank = engine.topology.zero_rank if group.comm is None else group.comm.rank
     return group.layout.num_shards > 1 or rank == 0
-
-
-def piece_files(engine: Engine, param: torch.Tensor, piece: int) -> list[str]:
-    """Rank files of ``piece``'s ZeRO shards, in shard order: a tensor rank's ZeRO group, or the
-    expert-data group of expert rank ``piece``."""
-    if tensor_shard_of(param) is not None:
-        return tensor_rank_files(engine, piece)
-    return [fmt.rank_file(r) for r in expert_piece_ranks(engine.topology, expert_ep_size(param), piece)]
 
 
 def _span(spec: ShardSpec, start: int, stop: int) -> slice:
@@ -245,8 +211,6 @@ def rank_file_plan(engine: Engine, names: dict[torch.nn.Parameter, str], *, copy
             if kinds.local:
                 # Unknown state may involve the padding elements; keep the whole partition.
                 entries.append(TensorEntry.of(fmt.local_state_key(g, LOCAL_MASTER), _own(group.master, copy)))
-    from partita.checkpoint.frozen import frozen_entries
-
     entries += frozen_entries(engine, names, copy=copy)  # ZeRO-3's sharded frozen parameters
     return FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)})
 
@@ -257,8 +221,6 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
     """Rank 0's part (the model file, the state file and meta.json) from this rank's module and
     optimizer. A pipeline save (partita/pipe/checkpoint.py) calls it on every stage's first rank,
     with a model file per stage, and merges the stages' model and optimizer sections."""
-    from partita.checkpoint.frozen import frozen_meta
-
     sink: dict[str, torch.Tensor] = {}
     full_state = checkpoint_state_dict(engine.module)
     # Expert-parallel MoE experts held by other expert ranks: recorded (keys, masters) by global index too.
