@@ -16,56 +16,24 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from partita.distributed import collectives
-from partita.tensor_parallel import layers
+import partita.tensor_parallel.layers as layers
 from partita.tensor_parallel.comm import scatter_sequence
+from partita.tensor_parallel.conv1d import Conv1DColumnParallel, Conv1DRowParallel, is_hf_conv1d
 from partita.tensor_parallel.loss import VocabParallelCrossEntropy
 from partita.tensor_parallel.rng import TensorParallelRNG
+# The plan's types live below every plan author; re-exported here, their historical path.
+from partita.tensor_parallel.styles import STYLES, Style, TensorParallelPlan
 
 logger = logging.getLogger("partita")
 
-__all__ = ["Style", "TensorParallelPlan", "TensorParallelResult", "apply_tensor_parallel"]
-
-STYLES = ("column", "row", "embedding", "replicate", "sequence_norm", "sequence_scatter", "sharded_dropout", "vocab_loss")
-
-
-@dataclass(frozen=True)
-class Style:
-    """How one module is split. ``kind`` is one of :data:`STYLES`:
-
-    - ``column`` / ``row``: an ``nn.Linear`` split by output / input features (``chunks``: fused
-      projections split chunk by chunk, 3 for q/k/v in one matrix);
-    - ``embedding``: an ``nn.Embedding`` split by vocabulary;
-    - ``replicate``: left whole (listed to silence the "not sharded" log);
-    - ``sequence_norm``: an ``nn.LayerNorm`` run on sequence shards (sequence parallelism);
-    - ``sequence_scatter``: a module after which activations become sequence shards (sequence
-      parallelism's entry, e.g. the embedding dropout);
-    - ``sharded_dropout``: a dropout inside a sharded region: its own random stream per tensor rank;
-    - ``vocab_loss``: a ``(logits, targets) -> loss`` module replaced by the vocabulary-parallel one.
-    """
-
-    kind: str
-    chunks: int = 1
-
-    def __post_init__(self) -> None:
-        if self.kind not in STYLES:
-            raise ValueError(f"unknown tensor-parallel style {self.kind!r}; choose one of {list(STYLES)}")
-
-
-@dataclass
-class TensorParallelPlan:
-    """Module-name pattern -> style; ``heads``: (module pattern, attribute or count) checks that
-    every attention's head count divides the tensor size before anything is split."""
-
-    styles: dict[str, Style]
-    head_counts: dict[str, int] = field(default_factory=dict)
-    vocab_size: int | None = None
+__all__ = ["STYLES", "Style", "TensorParallelPlan", "TensorParallelResult", "apply_tensor_parallel"]
 
 
 def apply_tensor_parallel(
@@ -130,12 +98,10 @@ class TensorParallelResult:
 def _build(module: nn.Module, style: Style, group, sequence_parallel: bool, name: str, shards: dict, plan) -> nn.Module:
     rank = dist.get_rank(group)
     kind = style.kind
-    if kind in ("column", "row") and _is_conv1d(module):
-        from partita.tensor_parallel import autotp
-
+    if kind in ("column", "row") and is_hf_conv1d(module):
         if kind == "column":
-            return autotp.Conv1DColumnParallel(module, group, chunks=style.chunks, name=name)
-        return autotp.Conv1DRowParallel(module, group, name=name)
+            return Conv1DColumnParallel(module, group, chunks=style.chunks, name=name)
+        return Conv1DRowParallel(module, group, name=name)
     if kind in ("column", "row"):
         _expect(module, nn.Linear, name, kind)
         full = module.weight
@@ -184,12 +150,6 @@ class _ThenScatter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(scatter_sequence(x, self.group))
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    from partita.tensor_parallel.autotp import is_hf_conv1d
-
-    return is_hf_conv1d(module)
 
 
 def _expect(module: nn.Module, cls: type, name: str, kind: str) -> None:
