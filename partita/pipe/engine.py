@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# The module, not the partita.pipe package: the package's lazy PipelineEngine is this module.
+import partita.pipe.checkpoint as checkpoint
 from partita.data.sampler import infinite_batches
 from partita.distributed import collectives
 from partita.engine import Engine
@@ -340,8 +342,6 @@ class PipelineEngine(Engine):
     def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, *, async_save: bool | None = None) -> bool:
         """DeepSpeed's signature; keyed by layer, so it loads at any stage count, data size and ZeRO stage."""
-        from partita.pipe import checkpoint
-
         return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                           async_save=async_save)
 
@@ -349,8 +349,6 @@ class PipelineEngine(Engine):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """DeepSpeed's signature; a checkpoint saved with any number of stages (``tag=None``: ``latest``)."""
-        from partita.pipe import checkpoint
-
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,

@@ -67,6 +67,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+# The class from its defining module: the partita.pipe package would reach partita.engine
+# (through its lazy PipelineEngine), which sits above ZeRO.
+from partita.pipe.module import PipelineModule
 from partita.tensor_containers import tensors_in
 from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.freed import ONE_RANK, allocate_param, free_param, name_params
@@ -88,8 +91,6 @@ def build_one_rank_weights(
     """The freeing for ``module`` when it applies (see [Note: when it is off]), else None.
     ``free_after_backward``: the reducer holds the gradients until the end of backward ([Note:
     freed again after the unit's backward])."""
-    from partita.pipe import PipelineModule
-
     if not enabled or world_size != 1 or delayed_update or isinstance(module, PipelineModule):
         return None
     if any(g.offloaded or g.aliases_params or g.layout.num_shards != 1 for g in groups):
