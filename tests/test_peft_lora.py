@@ -1,0 +1,307 @@
+"""LoRA (peft) on a partita engine at ZeRO 0-3, 2 ranks: training, saves, merges, refusals.
+
+The oracle is single-process peft + torch AdamW on the same seeded tiny Llama and the same global
+batches. Under ZeRO-3 the base is built both whole and under ``partita.zero.Init`` (then it stays
+sharded). ``modules_to_save`` (the LM head) trains beside the adapters. Saves are read back with
+``PeftModel.from_pretrained`` in this process; merges are compared with peft's
+``merge_and_unload`` of the unsharded model holding the same adapters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.harness import run_distributed
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, DECAY, CLIP = 64, 8, 4, 3, 1e-2, 0.1, 1.0
+# (name, ZeRO stage, built under zero.Init)
+RUNS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False), ("z3init", 3, True))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def _lora(**kw):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                      modules_to_save=["lm_head"], **kw)
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _config(stage: int) -> dict:
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}},
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1000,
+    }
+
+
+def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
+    import torch.distributed as dist
+
+    import partita
+    from partita.integrations import peft_support
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if use_init:
+        with partita.zero.Init(config_dict_or_path=_config(stage)):
+            base = _llama()
+    else:
+        base = _llama()
+    model = peft_support.get_peft_model(base, _lora())
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=list(trainable.values()), config=_config(stage))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = engine.zero.optimizer.groups
+    out = {
+        "in_groups": sorted(names[id(p)] for g in groups for p in g.params),
+        "trainable": sorted(trainable),
+        "master_numel": sum(g.master.numel() for g in groups),
+        # What this rank's share of the adapters is: a ceil(numel / world) shard each (stage 0: all).
+        "adapter_share": sum(p.numel() if stage == 0 else math.ceil(p.numel() / world) for p in trainable.values()),
+    }
+    if stage == 3:
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        out["base_sharded"] = [engine.zero.gatherer.is_sharded_param(p) for _, p in frozen]
+        out["base_with_storage"] = [n for n, p in frozen if p.untyped_storage().nbytes() > 0]
+    xs = _batches()
+    for step in range(STEPS):
+        micro = xs[step][rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+    out["state_numel"] = sum(s["exp_avg"].numel() for s in engine.zero.optimizer.inner.state.values())
+    out["adapters"] = peft_support.adapter_state_dict(engine)
+    peft_support.save_adapters(model, f"{save_dir}/{name}", engine=engine)
+    out["merged"] = peft_support.merged_state_dict(engine)
+    out["merged_again"] = peft_support.merged_state_dict(engine)  # the engine's model was left as it was
+    if stage == 3:
+        engine.save_16bit_model(f"{save_dir}/{name}", "model.safetensors")
+        # peft's own save_pretrained: refused outside the gathered block (no empty files), whole inside it.
+        try:
+            model.save_pretrained(f"{save_dir}/{name}-bare-{rank}")
+            out["bare_save"] = "saved"
+        except RuntimeError as err:
+            out["bare_save"] = type(err).__name__
+        with peft_support.gathered_adapters(engine) as gathered:
+            gathered.save_pretrained(f"{save_dir}/{name}-peft", is_main_process=rank == 0)
+        dist.barrier()
+    # Training goes on after the saves and merges (nothing was left gathered or changed).
+    micro = xs[0][rank * 2 : rank * 2 + 2]
+    loss = engine(input_ids=micro, labels=micro).loss
+    engine.backward(loss)
+    engine.step()
+    out["loss_after"] = float(loss.detach())
+    if stage == 3:
+        out["gathered_after"] = engine.zero.gatherer.num_gathered()
+    return out
+
+
+def _body(save_dir: str) -> dict:
+    from partita.distributed.init import init_distributed
+
+    init_distributed()
+    return {name: _run(name, stage, use_init, save_dir) for name, stage, use_init in RUNS}
+
+
+def _reference():
+    """Single-process peft + torch AdamW (clipped) on the global batches; returns (model, initial adapter state)."""
+    import peft
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_llama(), _lora())
+    initial = {k: v.clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=DECAY)
+    for batch in _batches():
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, initial
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("lora")
+    return save_dir, run_distributed(_body, 2, str(save_dir), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    import peft
+
+    model, initial = _reference()
+    trained = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"initial": initial, "adapters": trained, "full": full, "merged": model.merge_and_unload().state_dict()}
+
+
+def test_lora_trains_like_single_process_peft_at_every_stage(world2, reference) -> None:
+    _, per_rank = world2
+    initial, want = reference["initial"], reference["adapters"]
+    assert any("modules_to_save" in k or k.endswith("lm_head.weight") for k in want)
+    for name, stage, _ in RUNS:
+        for rank, out in enumerate(per_rank):
+            run = out[name]
+            # Only the adapters and the LM head copy are under ZeRO: masters and optimizer state of their share.
+            assert run["in_groups"] == run["trainable"], (name, rank)
+            assert not any("base_layer" in n or "original_module" in n for n in run["in_groups"])
+            assert run["master_numel"] == run["adapter_share"] == run["state_numel"], (name, rank, run["master_numel"])
+        adapters = per_rank[0][name]["adapters"]
+        assert per_rank[1][name]["adapters"] == {}  # rank 0's
+        assert sorted(adapters) == sorted(want), name
+        for key, value in want.items():
+            assert adapters[key].shape == value.shape and adapters[key].numel() > 0, (name, key)
+            assert not torch.equal(value, initial[key]), (name, key)  # it trained
+            assert _rel(adapters[key], value) < 1e-5, (name, key, _rel(adapters[key], value))
+    z3, z3init = per_rank[0]["z3"], per_rank[0]["z3init"]
+    assert not any(z3["base_sharded"]) and len(z3["base_with_storage"]) == len(z3["base_sharded"])  # whole, as documented
+    assert all(z3init["base_sharded"]) and z3init["base_with_storage"] == []  # under zero.Init: sharded, no storage
+    for out in per_rank:
+        assert out["z3"]["gathered_after"] == 0 and out["z3init"]["gathered_after"] == 0
+
+
+def test_saved_adapters_load_whole_and_equal(world2) -> None:
+    from peft import PeftModel, get_peft_model_state_dict
+
+    save_dir, per_rank = world2
+    for name, stage, _ in RUNS:
+        saved = load_file(str(save_dir / name / "adapter_model.safetensors"))
+        adapters = per_rank[0][name]["adapters"]
+        assert sorted(saved) == sorted(adapters), name
+        assert any("lm_head" in k for k in saved)  # modules_to_save saved
+        for key, value in saved.items():
+            assert value.numel() > 0 and torch.equal(value, adapters[key]), (name, key)
+        torch.manual_seed(5)  # other base weights: only the base loads from here, the adapters from the file
+        loaded = PeftModel.from_pretrained(_llama(), str(save_dir / name))
+        for key, value in get_peft_model_state_dict(loaded).items():
+            assert torch.equal(value, adapters[key]), (name, key)
+    for name in ("z3", "z3init"):  # peft's own save_pretrained inside gathered_adapters: the same files
+        assert per_rank[0][name]["bare_save"] == "ParameterNotGatheredError"
+        peft_saved = load_file(str(save_dir / f"{name}-peft" / "adapter_model.safetensors"))
+        ours = load_file(str(save_dir / name / "adapter_model.safetensors"))
+        assert sorted(peft_saved) == sorted(ours) and all(torch.equal(peft_saved[k], ours[k]) for k in ours)
+
+
+def test_merge_equals_unsharded_merge(world2, reference) -> None:
+    from peft import PeftModel
+
+    save_dir, per_rank = world2
+    torch.manual_seed(0)
+    base_state = _llama().state_dict()
+    ref_merged = reference["merged"]
+    for name, _, _ in RUNS:
+        merged = per_rank[0][name]["merged"]
+        assert per_rank[1][name]["merged"] == {}
+        # The unsharded merge of the same adapters: peft's merge_and_unload in one process.
+        torch.manual_seed(0)
+        unsharded = PeftModel.from_pretrained(_llama(), str(save_dir / name)).merge_and_unload().state_dict()
+        assert sorted(merged) == sorted(unsharded) == sorted(base_state), name
+        for key, value in unsharded.items():
+            assert torch.equal(merged[key], value), (name, key)
+            assert torch.equal(per_rank[0][name]["merged_again"][key], value), (name, key)
+            assert _rel(merged[key], ref_merged[key]) < 1e-5, (name, key)
+        assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                               base_state["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_save_16bit_model_of_a_peft_model_at_zero3_is_whole(world2, reference) -> None:
+    save_dir, per_rank = world2
+    want = reference["full"]
+    for name in ("z3", "z3init"):
+        saved = load_file(str(save_dir / name / "model.safetensors"))
+        assert sorted(saved) == sorted(want), name
+        for key, value in want.items():
+            assert saved[key].shape == value.shape and saved[key].numel() > 0, (name, key)
+            assert _rel(saved[key], value) < 1e-5, (name, key)
+        losses = [out[name]["loss_after"] for out in per_rank]
+        assert all(math.isfinite(v) for v in losses)
+
+
+# ------------------------------------------------------------------------------ refusals (one process)
+def test_refusals_name_the_problem_and_the_fix(tmp_path, monkeypatch) -> None:
+    from partita.config.base import ConfigError
+    from partita.integrations import peft_support
+
+    with pytest.raises(TypeError, match=r"^save_adapters needs a peft.PeftModel \(or the partita engine training one\), "
+                       r"got LlamaForCausalLM; build it with partita.integrations.peft_support.get_peft_model"):
+        peft_support.save_adapters(_llama(), tmp_path)
+    model = peft_support.get_peft_model(_llama(), _lora())
+    with pytest.raises(ValueError, match=r"^save_adapters sets state_dict= itself \(the gathered adapters, rank 0 "
+                       r"writes\); drop state_dict=$"):
+        peft_support.save_adapters(model, tmp_path, state_dict={})
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(32, 16, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(16, 32), requires_grad=False, quant_type="nf4").to("cpu")
+    peft_support.check_quantized_base(layer, "cpu")  # bitsandbytes runs 4-bit on the CPU: allowed
+
+    def no_kernels(*args, **kwargs):
+        raise NotImplementedError("no 4-bit kernels for this backend")
+
+    monkeypatch.setattr(bnb.functional, "quantize_4bit", no_kernels)  # a device bitsandbytes has no kernels for
+    with pytest.raises(ConfigError) as err:
+        peft_support.check_quantized_base(layer, "cpu")
+    assert str(err.value) == (
+        "QLoRA: the base has 1 bitsandbytes-quantized parameters (e.g. 'weight'), and bitsandbytes cannot run 4-bit "
+        "weights on cpu (NotImplementedError: no 4-bit kernels for this backend); train on a device bitsandbytes "
+        "supports (CUDA or the CPU), or load the base unquantized (torch_dtype=torch.bfloat16, no "
+        "quantization_config) and shard it with ZeRO-3 under partita.zero.Init instead"
+    )
+
+
+def _refusals_body() -> dict:
+    import partita
+    from partita.config.base import ConfigError
+    from partita.distributed.init import init_distributed
+    from partita.integrations import peft_support
+
+    init_distributed()
+    out = {}
+    with partita.zero.Init(config_dict_or_path=_config(3)):
+        base = _llama()
+    try:
+        peft_support.get_peft_model(base, _lora(init_lora_weights="pissa"))
+    except ConfigError as err:
+        out["pissa"] = str(err)
+    model = peft_support.get_peft_model(base, _lora())
+    partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                       config=_config(3))
+    try:
+        peft_support.get_peft_model(model.get_base_model(), _lora())
+    except ConfigError as err:
+        out["after_initialize"] = str(err)
+    return out
+
+
+def test_refusals_under_zero3() -> None:
+    out = run_distributed(_refusals_body, 2, timeout=180)[0]
+    assert out["pissa"] == (
+        "get_peft_model: init_lora_weights='pissa' reads the base weights to build the adapters, and this base was "
+        "built under partita.zero.Init (each rank holds a shard); build the base without zero.Init for this "
+        "initialisation, or use init_lora_weights=True (the default) or 'gaussian'"
+    )
+    assert out["after_initialize"] == (
+        "get_peft_model: a partita engine already trains this model, and its optimizer state and ZeRO-3 units were "
+        "built without the adapters; apply PEFT first, then call partita.initialize on the PeftModel"
+    )
