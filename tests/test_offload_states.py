@@ -254,6 +254,13 @@ def test_bad_include_and_device_are_refused() -> None:
     assert str(err.value) == ("offload_states(device='cuda:0'): states can be offloaded to host memory only; use "
                               "device=\"cpu\" (for NVMe, configure zero_optimization.offload_optimizer / offload_param "
                               "with device \"nvme\")")
+    from partita.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
+
+    assert parse_include([OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states]) == (
+        "optim_states", "hp_params")  # DeepSpeed's enum members (str enums) work as their values
+    assert parse_device(OffloadDeviceEnum.cpu) == torch.device("cpu")
+    with pytest.raises(ValueError, match="host memory only"):
+        parse_device(OffloadDeviceEnum.nvme)
     assert parse_include("lp_params") == ("lp_params",)
     assert parse_include(["lp_grads", "optim_states"]) == ("optim_states", "lp_grads")  # DeepSpeed's order
     assert parse_include(None)[0] == "optim_states" and len(parse_include(None)) == 5

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 from torch import nn
@@ -53,10 +54,29 @@ from partita.zero.freed import is_freed
 
 logger = logging.getLogger("partita")
 
-__all__ = ["KINDS", "OffloadedStates", "parse_include", "parse_device"]
+__all__ = ["KINDS", "OffloadDeviceEnum", "OffloadStateTypeEnum", "OffloadedStates", "parse_include", "parse_device"]
 
-# DeepSpeed's OffloadStateTypeEnum values, in its order.
-KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
+
+class OffloadStateTypeEnum(str, Enum):
+    """DeepSpeed's ``deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum``: the kinds ``include`` names."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+class OffloadDeviceEnum(str, Enum):
+    """DeepSpeed's ``OffloadDeviceEnum``; ``offload_states`` takes ``cpu`` only, as DeepSpeed's does."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+# The kinds, in DeepSpeed's order.
+KINDS = tuple(kind.value for kind in OffloadStateTypeEnum)
 
 
 def parse_include(include) -> tuple[str, ...]:
