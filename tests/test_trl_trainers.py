@@ -13,8 +13,8 @@ batch, so every step sees all of it whatever the sampler's order):
 - DPO's reference model at ZeRO-3 is an inference-only engine (no optimizer, sharded, frozen);
   under a bf16 config it is cast to bf16 before sharding and its logits equal the whole bf16 model's;
 - ``with_partita(GRPOTrainer)`` trains 2 steps at ZeRO-3 with rollouts generated from the
-  sharded policy in one gathered-once session per call, a reference engine (beta > 0), no hang,
-  finite losses.
+  sharded policy in one gathered-once session per call, a reference engine (beta > 0), a reward
+  function and a sharded reward model, no hang, finite losses.
 
 Every sample has the same token count, so each rank's per-micro-batch token mean equals the
 global one (partita does not weight micro-batches by num_items_in_batch; see partita/integrations/hf.py).
@@ -157,13 +157,16 @@ def _length_reward(completions, **kwargs) -> list[float]:
 
 
 def _grpo(paths: dict, out: str, stage: int | None):
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     cls, extra = _wrap(GRPOTrainer, stage)
     args = GRPOConfig(**_common(out, 2), max_steps=2, num_generations=2, max_completion_length=4, beta=0.1)
-    trainer = cls(model=paths["lm"], reward_funcs=_length_reward, args=args, train_dataset=_datasets()["grpo"],
-                  processing_class=AutoTokenizer.from_pretrained(paths["tok"]), **extra)
+    # A reward function and a reward model (prepared like the reference: an inference-only engine at ZeRO-3).
+    rewards = [_length_reward, AutoModelForSequenceClassification.from_pretrained(paths["rm"], num_labels=1)]
+    tok = AutoTokenizer.from_pretrained(paths["tok"])
+    trainer = cls(model=paths["lm"], reward_funcs=rewards, reward_processing_classes=[None, tok], args=args,
+                  train_dataset=_datasets()["grpo"], processing_class=tok, **extra)
     trainer.train()
     return trainer
 
@@ -211,6 +214,11 @@ def _on_ranks(paths: dict, out: str) -> dict:
     got["grpo3_steps"] = grpo.state.global_step
     got["grpo3_mode"] = grpo.engine.generation_mode
     got["grpo3_ref"] = type(grpo.ref_model).__name__
+    rm = grpo.reward_funcs[1]
+    got["grpo3_rm"] = {"type": type(rm).__name__, "sharded": all(is_freed(p) for p in rm.parameters()),
+                       "engines": [type(e).__name__ for e in grpo._partita_frozen_engines],
+                       "logged": [e["rewards/rm/mean"] for e in grpo.state.log_history
+                                  if "rewards/rm/mean" in e]}
     return got
 
 
@@ -238,6 +246,9 @@ def test_trl_trainers_through_partita_match_plain_trl(tmp_path) -> None:
     assert r0["bf16_ref"] == {"dtypes": ["torch.bfloat16"], "equal": True, "type": "ZeroInferenceEngine"}, r0["bf16_ref"]
     assert r0["grpo3_steps"] == 2 and len(r0["grpo3"]) == 2 and all(math.isfinite(x) for x in r0["grpo3"]), r0
     assert r0["grpo3_mode"] == "gather_once" and r0["grpo3_ref"] == "ZeroInferenceEngine"
+    rm = r0["grpo3_rm"]  # the reward model ran sharded (its module, the engine kept), every step
+    assert rm["type"] == "LlamaForSequenceClassification" and rm["sharded"] and rm["engines"] == ["ZeroInferenceEngine"]
+    assert len(rm["logged"]) == 2 and all(math.isfinite(x) for x in rm["logged"]), rm
     # save_model of a LoRA model at ZeRO-3 writes PEFT's adapter files, whole: the plain trainer's adapters.
     from safetensors.torch import load_file
 

@@ -316,6 +316,9 @@ def with_partita(trainer_class: type) -> type:
         self.engine = None
         self._resolved_config = None
         trainer_class.__init__(self, *args, **kwargs)
+        from partita.integrations.trl_support import unwrap_reward_models
+
+        unwrap_reward_models(self)  # GRPO/RLOO call a reward model only if it is an nn.Module
 
     name = f"Partita{trainer_class.__name__}"
     # Method order: trainer_class's overrides, then PartitaTrainer's, then Trainer's (C3 places

@@ -15,6 +15,11 @@ intercepts that ``prepare_model`` call and gives the model :func:`prepare_frozen
   Trainer's device and in the config's 16-bit dtype (what DeepSpeed's stage-0 engine does with
   ``bf16``/``fp16`` enabled). Nothing to shard: every rank holds it whole.
 
+GRPO and RLOO tell a reward *model* from a reward function by ``isinstance(f, nn.Module)`` (a
+DeepSpeed engine is a module; a partita engine is not), so :func:`unwrap_reward_models` puts the
+engine's module back in ``reward_funcs``: its ZeRO-3 hooks gather each unit for the forward as the
+engine's would, and the trainer keeps the engine alive.
+
 The engine's config keeps only the sections that shape how weights are stored and computed
 (:data:`_KEPT`): the training config's optimizer, scheduler, ``offload_optimizer``, clipping,
 monitors and checkpoint sections do not apply to a model that never trains (a checkpoint on
@@ -31,7 +36,7 @@ from torch import nn
 
 from partita.config import ConfigError
 
-__all__ = ["frozen_model_config", "prepare_frozen_model", "zero_stage_of"]
+__all__ = ["frozen_model_config", "prepare_frozen_model", "unwrap_reward_models", "zero_stage_of"]
 
 # The config sections a frozen model's engine inherits from the training config.
 _KEPT = ("zero_optimization", "bf16", "fp16", "tensor_parallel", "aio")
@@ -104,3 +109,18 @@ def _own_storage(model: nn.Module) -> None:
     for param in model.parameters():
         if param.device.type != "meta" and not param.untyped_storage().resizable():
             param.data = param.data.clone()
+
+
+def unwrap_reward_models(trainer: Any) -> None:
+    """Replace each inference-only engine in ``trainer.reward_funcs`` (GRPO's, RLOO's) by its module,
+    keeping the engine in ``trainer._partita_frozen_engines`` (see the module doc)."""
+    from partita.zero.inference_engine import ZeroInferenceEngine
+
+    funcs = getattr(trainer, "reward_funcs", None)
+    if not isinstance(funcs, list):
+        return
+    kept = trainer.__dict__.setdefault("_partita_frozen_engines", [])
+    for i, func in enumerate(funcs):
+        if isinstance(func, ZeroInferenceEngine):
+            kept.append(func)
+            funcs[i] = func.module
