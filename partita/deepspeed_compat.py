@@ -84,11 +84,6 @@ ENGINE: dict[str, str] = {
         "engine.set_gradient_accumulation_boundary() is not in partita: the boundary follows gradient_accumulation_steps "
         "(engine.is_gradient_accumulation_boundary() says where you are)"
     ),
-    "offload_states": (
-        "engine.offload_states() is not in partita: offload is configured for the whole run "
-        "(zero_optimization.offload_optimizer / offload_param)"
-    ),
-    "reload_states": "engine.reload_states() is not in partita: see offload_states",
     "set_train_batch_size": "engine.set_train_batch_size() is not in partita: batch sizes are fixed at initialize()",
     "set_train_micro_batch_size": "engine.set_train_micro_batch_size() is not in partita: batch sizes are fixed at initialize()",
     "module_state_dict": (

@@ -191,6 +191,8 @@ class Engine:
                 "engine(...) for forwards, or give the model a generate (Hugging Face models and the reference "
                 "GPT have one)"
             )
+        if self._offloaded_states is not None:
+            self._offloaded_states.refuse_weights("engine.generate()")
         plain = self.module.__dict__.get("generate")
         if plain is self._generate_wrapper and plain is not None:
             return plain(*args, **kwargs)  # the wrapper opens the session
