@@ -283,6 +283,10 @@ def stale() -> list[Path]:
     return [path for path, text in render().items() if not path.exists() or path.read_text() != text]
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(DOCS.parent)) if path.is_relative_to(DOCS.parent) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is out of date")
@@ -290,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         paths = stale()
         for path in paths:
-            print(f"{path.relative_to(DOCS.parent)} is out of date: run python docs/generate_references.py", file=sys.stderr)
+            print(f"{_shown(path)} is out of date: run python docs/generate_references.py", file=sys.stderr)
         return 1 if paths else 0
     REFERENCE.mkdir(exist_ok=True)
     for path, text in render().items():
         path.write_text(text)
-        print(f"wrote {path.relative_to(DOCS.parent)}")
+        print(f"wrote {_shown(path)}")
     return 0
 
 

@@ -1,0 +1,112 @@
+"""The generated reference pages (docs/reference/config.md, cli.md, compatibility.md) equal what
+docs/generate_references.py writes from the code now, and what it writes is right: origins, the
+refused DeepSpeed keys with their accepted values, every CLI subcommand."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pydantic
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_references", ROOT / "docs" / "generate_references.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("generate_references", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _generator()
+
+
+def test_generated_references_are_up_to_date() -> None:
+    stale = [str(p.relative_to(ROOT)) for p in gen.stale()]
+    assert not stale, f"{stale} differ from the code: run `python docs/generate_references.py` and commit the pages"
+
+
+def test_check_mode_names_a_stale_page_and_a_rewrite_fixes_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(gen, "REFERENCE", tmp_path)
+    assert gen.main(["--check"]) == 1  # nothing written yet: every page is missing
+    assert gen.main([]) == 0
+    assert gen.main(["--check"]) == 0
+    page = tmp_path / "cli.md"
+    page.write_text(page.read_text().replace("partita run", "partita walk", 1))
+    capsys.readouterr()
+    assert gen.main(["--check"]) == 1
+    assert "cli.md is out of date: run python docs/generate_references.py" in capsys.readouterr().err
+
+
+def _config_rows() -> dict[str, tuple]:
+    from partita.config import PartitaConfig
+
+    schema = gen._Schema(PartitaConfig.model_json_schema(mode="validation"))
+    return {row[0]: row for row in gen.config_rows(schema, schema.root)}
+
+
+def test_config_reference_marks_deepspeed_and_partita_keys() -> None:
+    rows = _config_rows()
+    origin = {path: row[3] for path, row in rows.items()}
+    for path in ("train_batch_size", "zero_optimization.stage", "fp16.loss_scale_window",
+                 "zero_optimization.offload_optimizer.device", "checkpoint.tag_validation"):
+        assert origin[path] == "deepspeed", path
+    # partita-only fields, and keys that inherit it from a partita-only section
+    for path in ("seed", "zero_optimization.one_rank_gradient_fold", "checkpoint.save_dir",
+                 "zero_optimization.offload_optimizer.tiers.headroom", "compile.backend", "throughput.peak_tflops"):
+        assert origin[path] == "partita", path
+    assert rows["fp16.initial_scale_power"][1:3] == ("integer ≥ 0, ≤ 40", "`16`")
+    assert rows["zero_optimization.one_rank_gradient_fold"][1] == '`"auto"` | `"early"` | `"end"` | `"stream"`'
+
+
+def test_a_model_marker_decides_the_origin_over_the_description() -> None:
+    class Section(pydantic.BaseModel):
+        ours: int = pydantic.Field(1, description="no telling words", json_schema_extra={"origin": "partita"})
+        theirs: int = pydantic.Field(2, description="partita-only, says the prose", json_schema_extra={"origin": "deepspeed"})
+        prose: bool = pydantic.Field(False, description="partita extension: decided by the words")
+        plain: str = pydantic.Field("x", description="a DeepSpeed key")
+
+    class Root(pydantic.BaseModel):
+        section: Section = pydantic.Field(default_factory=Section, json_schema_extra={"origin": "partita"})
+        top: int = 0
+
+    schema = gen._Schema(Root.model_json_schema())
+    origin = {row[0]: row[3] for row in gen.config_rows(schema, schema.root)}
+    assert origin == {"section": "partita", "section.ours": "partita", "section.theirs": "deepspeed",
+                      "section.prose": "partita", "section.plain": "partita", "top": "deepspeed"}
+
+
+def test_compatibility_page_lists_every_refused_key_with_its_accepted_value() -> None:
+    from partita.config.unsupported import UNSUPPORTED
+
+    page = gen.render_compatibility()
+    for section, entries in UNSUPPORTED.items():
+        for name, entry in entries.items():
+            path = ".".join(section + (name,))
+            assert f"| `{path}` | `{gen._cell(entry.harmless_form())}` |" in page, path
+    assert "| `partita.runtime.pipe.topology` |" in page
+
+
+def test_cli_page_has_every_subcommand_and_option() -> None:
+    from partita.launcher.cli import build_parser
+
+    page = gen.render_cli()
+    for words, parser, _ in gen._commands(build_parser(), ["partita"]):
+        assert f"\n## `{' '.join(words)}`\n" in page
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert f"`{option}`" in page, (words, option)
+    assert "| `--max-restarts` | `MAX_RESTARTS` | `0` |" in page
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("see :class:`~partita.engine.Engine` and ``x``", "see `Engine` and `x`"),
+    ("from :mod:`partita.pipe`", "from `partita.pipe`"),
+])
+def test_docstring_markup_becomes_markdown(text: str, expected: str) -> None:
+    assert gen._markdown(text) == expected
