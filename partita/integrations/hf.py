@@ -71,7 +71,7 @@ logger = logging.getLogger("partita")
 # if a transformers release renames one, fail here instead of training with its default.
 _REPLACED = ("create_optimizer", "create_scheduler", "training_step", "save_model", "_wrap_model",
              "_clip_grad_norm", "_get_grad_norm", "_move_model_to_device", "_save_optimizer_and_scheduler",
-             "_load_optimizer_and_scheduler", "_load_from_checkpoint")
+             "_load_optimizer_and_scheduler", "_load_from_checkpoint", "create_accelerator_and_postprocess")
 _missing = [name for name in _REPLACED if not hasattr(Trainer, name)]
 if _missing:
     import transformers
@@ -101,7 +101,6 @@ class PartitaTrainer(Trainer):
                                 "JSON path)")
             self._partita_config = partita_config
             self.engine = None
-            self._resolved_config = None
         _refuse_optimizers(type(self).__name__, kwargs.get("optimizers"))
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
@@ -119,10 +118,11 @@ class PartitaTrainer(Trainer):
         # (partita/integrations/trl_support.py) before the model is moved whole onto the device.
         plain = self.accelerator.prepare_model
 
-        def prepare_model(model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+        def prepare_model(model: Any, device_placement: Any = None, evaluation_mode: bool = False, **kw: Any) -> Any:
+            # The Trainer's own evaluation prepares the policy (self.model) this way too: that one stays.
             if evaluation_mode and isinstance(model, torch.nn.Module) and model is not getattr(self, "model", None):
                 return self._prepare_frozen_model(model)
-            return plain(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+            return plain(model, device_placement=device_placement, evaluation_mode=evaluation_mode, **kw)
 
         self.accelerator.prepare_model = prepare_model
 
@@ -155,7 +155,6 @@ class PartitaTrainer(Trainer):
         max_steps = self.state.max_steps
         config = resolve_trainer_config(self._partita_config, self.args, world_size=self.args.world_size,
                                         max_steps=max_steps)
-        self._resolved_config = config
         schedule = None
         if config.get("scheduler") is None:
             args = self.args
@@ -314,7 +313,6 @@ def with_partita(trainer_class: type) -> type:
         _refuse_optimizers(type(self).__name__, kwargs.get("optimizers"))
         self._partita_config = partita_config  # read by PartitaTrainer, also inside trainer_class.__init__
         self.engine = None
-        self._resolved_config = None
         trainer_class.__init__(self, *args, **kwargs)
         from partita.integrations.trl_support import unwrap_reward_models
 
