@@ -22,10 +22,10 @@ VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, DECAY, CLIP = 64, 8, 4, 3, 1e-2, 0.1, 1.0
 RUNS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False), ("z3init", 3, True))
 
 
-def _llama():
+def _llama(hidden: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     return LlamaForCausalLM(config)
 
@@ -113,11 +113,46 @@ def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
     return out
 
 
-def _body(save_dir: str) -> dict:
+def _load_4bit(base_dir: str):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quantization, device_map="cpu")
+
+
+def _run_qlora(base_dir: str, save_dir: str) -> dict:
+    """QLoRA at ZeRO-3: a bitsandbytes 4-bit base (bitsandbytes runs 4-bit on the CPU)."""
+    import torch.distributed as dist
+
+    import partita
+    from partita.integrations import peft_support
+
+    rank = dist.get_rank()
+    base = _load_4bit(base_dir)
+    torch.manual_seed(0)
+    model = peft_support.get_peft_model(base, _lora())  # checks the device for 4-bit kernels
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                         config=_config(3))
+    packed = [p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"]
+    xs = _batches()
+    for step in range(STEPS):
+        micro = xs[step][rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+    peft_support.save_adapters(engine, f"{save_dir}/qlora")
+    return {"adapters": peft_support.adapter_state_dict(engine), "packed": len(packed),
+            "packed_whole": all(p.untyped_storage().nbytes() > 0 for p in packed)}
+
+
+def _body(save_dir: str, base_dir: str) -> dict:
     from partita.distributed.init import init_distributed
 
     init_distributed()
-    return {name: _run(name, stage, use_init, save_dir) for name, stage, use_init in RUNS}
+    out = {name: _run(name, stage, use_init, save_dir) for name, stage, use_init in RUNS}
+    out["qlora"] = _run_qlora(base_dir, save_dir)
+    out["refusals"] = _refusals()
+    return out
 
 
 def _reference():
@@ -144,7 +179,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("lora")
-    return save_dir, run_distributed(_body, 2, str(save_dir), timeout=300)
+    torch.manual_seed(0)
+    # The QLoRA run loads it in 4 bits (hidden 64: bitsandbytes' CPU 4-bit path fails on a 16-wide k_proj).
+    _llama(hidden=64).save_pretrained(save_dir / "base")
+    return save_dir, run_distributed(_body, 2, str(save_dir), str(save_dir / "base"), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -270,13 +308,12 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path, monkeypatch) -> None:
     )
 
 
-def _refusals_body() -> dict:
+def _refusals() -> dict:
+    """Refusals that need a model built under zero.Init, or an engine (run inside ``_body``)."""
     import partita
     from partita.config.base import ConfigError
-    from partita.distributed.init import init_distributed
     from partita.integrations import peft_support
 
-    init_distributed()
     out = {}
     with partita.zero.Init(config_dict_or_path=_config(3)):
         base = _llama()
@@ -294,8 +331,8 @@ def _refusals_body() -> dict:
     return out
 
 
-def test_refusals_under_zero3() -> None:
-    out = run_distributed(_refusals_body, 2, timeout=180)[0]
+def test_refusals_under_zero3(world2) -> None:
+    out = world2[1][0]["refusals"]
     assert out["pissa"] == (
         "get_peft_model: init_lora_weights='pissa' reads the base weights to build the adapters, and this base was "
         "built under partita.zero.Init (each rank holds a shard); build the base without zero.Init for this "
@@ -305,3 +342,27 @@ def test_refusals_under_zero3() -> None:
         "get_peft_model: a partita engine already trains this model, and its optimizer state and ZeRO-3 units were "
         "built without the adapters; apply PEFT first, then call partita.initialize on the PeftModel"
     )
+
+
+def test_qlora_at_zero3_trains_like_single_process_peft(world2) -> None:
+    import peft
+
+    save_dir, per_rank = world2
+    base = _load_4bit(str(save_dir / "base"))
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, _lora())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=DECAY)
+    for batch in _batches():
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    want = peft.get_peft_model_state_dict(model)
+    run = per_rank[0]["qlora"]
+    assert run["packed"] == 14 and all(out["qlora"]["packed_whole"] for out in per_rank)  # 4-bit base: whole per rank
+    saved = load_file(str(save_dir / "qlora" / "adapter_model.safetensors"))
+    assert sorted(run["adapters"]) == sorted(want) == sorted(saved)
+    for key, value in want.items():
+        assert saved[key].numel() > 0 and torch.equal(saved[key], run["adapters"][key]), key
+        assert _rel(run["adapters"][key], value) < 1e-5, (key, _rel(run["adapters"][key], value))
