@@ -15,8 +15,8 @@ autodoc_member_order = "bysource"
 source_suffix = {".md": "markdown"}
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
-# docs/ files that are not pages of the site.
-exclude_patterns = ["_build", "generate_references.py"]
+# docs/ files that are not pages of the site (scripts are .py, never read as pages).
+exclude_patterns = ["_build", "performance/_generated"]  # _generated: included by performance/index.md
 # The guides written before the site skip heading levels (H1 to H3); that is cosmetic only.
 suppress_warnings = ["myst.header"]
 html_theme = "furo"

@@ -110,3 +110,21 @@ def test_cli_page_has_every_subcommand_and_option() -> None:
 ])
 def test_docstring_markup_becomes_markdown(text: str, expected: str) -> None:
     assert gen._markdown(text) == expected
+
+
+def _performance_generator():
+    spec = importlib.util.spec_from_file_location("generate_performance", ROOT / "docs" / "generate_performance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_performance_headline_table_is_rendered_from_the_raw_results(tmp_path: Path) -> None:
+    perf = _performance_generator()
+    for path, text in perf.outputs().items():
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run python docs/generate_performance.py"
+    table = perf.render_table()
+    # a figure of the run's JSON, as the suite's table code prints it
+    assert "| partita3 | 55,247 | 50.7% |" in table and "gpu_suite_2gpu_s3_2026-11-29.json" in table
+    perf.write_plot(tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
