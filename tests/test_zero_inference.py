@@ -169,3 +169,26 @@ def inference_layouts() -> dict:
 def test_zero_inference_under_zero_init_and_tensor_parallelism() -> None:
     for result in run_distributed(inference_layouts, 2, timeout=300):
         assert result["zero_init"] == result["want"] and result["tensor_parallel"] == result["want"]
+
+
+def from_pretrained_logits(directory: str) -> tuple:
+    """A model loaded by from_pretrained on CPU keeps its weights in the safetensors file's memory
+    map, whose storages cannot be resized: sharding must copy them, not fail freeing them."""
+    import partita
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    ids = _prompt(0)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    engine, _, _, _ = partita.initialize(model=model, config=_config(None))
+    engine.eval()
+    with torch.no_grad():
+        got = engine(input_ids=ids).logits
+    return want, got
+
+
+def test_zero_inference_of_a_from_pretrained_model(tmp_path) -> None:
+    _build("llama").save_pretrained(tmp_path)
+    [(want, got)] = run_distributed(from_pretrained_logits, 1, str(tmp_path), timeout=300)
+    assert torch.equal(want, got)

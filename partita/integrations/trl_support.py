@@ -90,25 +90,12 @@ def prepare_frozen_model(model: nn.Module, config: dict, *, device: torch.device
         # model built under zero.Init holds shards already, in the dtype zero.Init gave them.
         if dtype is not None and not any(is_freed(p) for p in model.parameters()):
             model.to(dtype)
-        _own_storage(model)
         engine, _, _, _ = partita.initialize(model=model, config=frozen_model_config(config))
         engine.eval()
         return engine
     dtype = _dtype_of(config)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()
-
-
-@torch.no_grad()
-def _own_storage(model: nn.Module) -> None:
-    """Give each parameter a storage ZeRO-3 can free. ``from_pretrained`` on CPU leaves the
-    weights in the safetensors file's memory map, whose storage cannot be resized, and the
-    inference-only engine frees each parameter's own storage once it has its shard (the
-    training engine copies into masters first, so it never meets this). One parameter is copied
-    at a time: the extra memory is one tensor."""
-    for param in model.parameters():
-        if param.device.type != "meta" and not param.untyped_storage().resizable():
-            param.data = param.data.clone()
 
 
 def unwrap_reward_models(trainer: Any) -> None:

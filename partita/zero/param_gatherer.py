@@ -225,9 +225,9 @@ class ParameterGatherer:
 
     @staticmethod
     def _own_storage(param: nn.Parameter) -> None:
-        """Give the parameter a storage of its own, so freeing it frees nothing else."""
-        data = param.data
-        if data.storage_offset() != 0 or data.untyped_storage().nbytes() != data.numel() * data.element_size():
+        """A resizable storage of its own (not a safetensors memory map): freeing it frees nothing else."""
+        data, storage = param.data, param.data.untyped_storage()
+        if data.storage_offset() or storage.nbytes() != data.numel() * data.element_size() or not storage.resizable():
             param.data = data.clone()
 
     def hand_out_storage(self, param: nn.Parameter) -> None:
