@@ -19,6 +19,7 @@ inside a function does not help: those are counted.
 from __future__ import annotations
 
 import ast
+import importlib
 import pkgutil
 from pathlib import Path
 
@@ -197,3 +198,25 @@ def test_type_checking_imports_and_one_way_imports_are_not_cycles(tmp_path: Path
     assert graph["pkg.sub.leaf"] == {"pkg.low": [5]}  # the else branch runs; the TYPE_CHECKING body does not
     assert graph["pkg.high"] == {"pkg.low": [1], "pkg.sub.leaf": [2]}
     assert cycles(graph) == []
+
+
+# Names moved down a layer to break a cycle, and the modules they were always imported from.
+MOVED = {
+    "partita.monitor.events": ("partita.monitor.monitors", ["Event", "Monitor"]),
+    "partita.checkpoint.locations": ("partita.checkpoint.snapshot", ["checkpoint_state_dict", "param_names",
+                                                                     "piece_files", "shard_file_of", "tensor_rank_files"]),
+    "partita.tensor_parallel.styles": ("partita.tensor_parallel.apply", ["STYLES", "Style", "TensorParallelPlan"]),
+    "partita.tensor_parallel.conv1d": ("partita.tensor_parallel.autotp", ["Conv1DColumnParallel", "Conv1DRowParallel",
+                                                                          "is_hf_conv1d"]),
+    "partita.zero.stream_eligibility": ("partita.zero.fold_choice", ["auto_streams", "check_streamed_step"]),
+    "partita.estimate.phases": ("partita.estimate.result", ["ALWAYS", "BACKWARD", "CATEGORIES", "DEVICES",
+                                                            "END_BACKWARD", "PHASES", "START_BACKWARD", "STEP",
+                                                            "WRITE_BACK"]),
+}
+
+
+@pytest.mark.parametrize("new", sorted(MOVED))
+def test_moved_names_keep_their_old_import_paths(new: str) -> None:
+    old, names = MOVED[new]
+    for name in names:
+        assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name), (old, name)
