@@ -134,6 +134,8 @@ class PipelineEngine(Engine):
         """One batch: ``gradient_accumulation_steps`` micro-batches through the schedule, then the
         optimizer step. Returns the batch's mean loss (over micro-batches and data ranks), the same
         value on every stage."""
+        if self._offloaded_states is not None:  # engine.offload_states(): the step's tensors are in host memory
+            self._offloaded_states.refuse("engine.train_batch()")
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() needs gradients enabled (it was called under torch.no_grad()); "
                                "use eval_batch() to evaluate")
