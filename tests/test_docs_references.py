@@ -5,6 +5,7 @@ refused DeepSpeed keys with their accepted values, every CLI subcommand."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -63,21 +64,32 @@ def test_config_reference_marks_deepspeed_and_partita_keys() -> None:
     assert rows["zero_optimization.one_rank_gradient_fold"][1] == '`"auto"` | `"early"` | `"end"` | `"stream"`'
 
 
-def test_a_model_marker_decides_the_origin_over_the_description() -> None:
+def test_the_model_marker_decides_the_origin_and_sections_pass_it_on() -> None:
     class Section(pydantic.BaseModel):
-        ours: int = pydantic.Field(1, description="no telling words", json_schema_extra={"origin": "partita"})
-        theirs: int = pydantic.Field(2, description="partita-only, says the prose", json_schema_extra={"origin": "deepspeed"})
-        prose: bool = pydantic.Field(False, description="partita extension: decided by the words")
-        plain: str = pydantic.Field("x", description="a DeepSpeed key")
+        ours: int = pydantic.Field(1, json_schema_extra={"origin": "partita"})
+        plain: str = pydantic.Field("x", description="partita-only, says the prose, but prose decides nothing")
 
     class Root(pydantic.BaseModel):
-        section: Section = pydantic.Field(default_factory=Section, json_schema_extra={"origin": "partita"})
+        marked: Section = pydantic.Field(default_factory=Section, json_schema_extra={"origin": "partita"})
+        unmarked: Section = pydantic.Field(default_factory=Section)
         top: int = 0
 
     schema = gen._Schema(Root.model_json_schema())
     origin = {row[0]: row[3] for row in gen.config_rows(schema, schema.root)}
-    assert origin == {"section": "partita", "section.ours": "partita", "section.theirs": "deepspeed",
-                      "section.prose": "partita", "section.plain": "partita", "top": "deepspeed"}
+    assert origin == {"marked": "partita", "marked.ours": "partita", "marked.plain": "partita",
+                      "unmarked": "deepspeed", "unmarked.ours": "partita", "unmarked.plain": "deepspeed",
+                      "top": "deepspeed"}
+
+
+_PARTITA_WORDS = re.compile(r"^\s*(partita[- ]only|partita extension)\b", re.IGNORECASE)
+
+
+def test_every_key_described_as_partitas_carries_the_marker() -> None:
+    """The descriptions' own words ("partita-only", "partita extension") and the PARTITA_KEY
+    marker never disagree: a new partita field must be marked for the reference to say so."""
+    unmarked = [path for path, (_, _, _, origin, text) in _config_rows().items()
+                if _PARTITA_WORDS.match(text) and origin != "partita"]
+    assert not unmarked, f"mark these fields with json_schema_extra=PARTITA_KEY (partita/config/base.py): {unmarked}"
 
 
 def test_compatibility_page_lists_every_refused_key_with_its_accepted_value() -> None:

@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 
 Policy = Literal["every", "every_k", "selective"]
 POLICIES: tuple[str, ...] = ("every", "every_k", "selective")
@@ -79,9 +79,11 @@ class ActivationCheckpointingConfig(StrictSection):
             "\"every_k\" (every k-th block) or \"selective\" (every block, keeping matmul and "
             "attention outputs, recomputing elementwise ops). Default null (wrap nothing)."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     k: Annotated[JsonInt, Field(ge=1)] = Field(
-        1, description="partita only: with policy \"every_k\", checkpoint every k-th block. Default 1."
+        1, description="partita only: with policy \"every_k\", checkpoint every k-th block. Default 1.",
+        json_schema_extra=PARTITA_KEY,
     )
     block_types: list[str] | None = Field(
         None,
@@ -89,6 +91,7 @@ class ActivationCheckpointingConfig(StrictSection):
             "partita only: class names of the blocks the policy wraps. Default null (the largest "
             "nn.ModuleList whose items share one type)."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     @model_validator(mode="after")

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 
 # Signals a scheduler sends before it kills a job (SIGKILL and SIGSTOP cannot be caught).
 SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -64,6 +64,7 @@ class CheckpointConfig(StrictSection):
             "partita only: directory for checkpoints; the default for engine.save_checkpoint() "
             "without a directory and the directory `resume` reads. Default null."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     resume: Literal["latest"] | None = Field(
         None,
@@ -71,6 +72,7 @@ class CheckpointConfig(StrictSection):
             "partita only: \"latest\" makes initialize() load the newest complete checkpoint in "
             "save_dir when there is one (what a restarted job needs); null starts fresh. Default null."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     async_save: bool = Field(
         False,
@@ -78,6 +80,7 @@ class CheckpointConfig(StrictSection):
             "partita only: save_checkpoint copies the state to CPU memory and returns; a background "
             "thread writes the files. The next save/load (or process exit) waits for it. Default false."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     handshake_timeout_seconds: float = Field(
         120.0,
@@ -87,6 +90,7 @@ class CheckpointConfig(StrictSection):
             "load_checkpoint before failing with a message naming the missing ranks (a call "
             "from rank 0 alone would otherwise hang). Default 120."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     verify_checksums: bool = Field(
         True,
@@ -94,6 +98,7 @@ class CheckpointConfig(StrictSection):
             "partita only: check each file's sha256 against the manifest when loading (the work is "
             "split over the ranks). Sizes are always checked. Default true."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     save_on_signal: list[str] = Field(
@@ -103,6 +108,7 @@ class CheckpointConfig(StrictSection):
             "every rank agrees on and exit with code 200 (SLURM --signal, Kubernetes' termination grace period). "
             "[] turns it off. Default [\"SIGTERM\", \"SIGUSR1\"]."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     signal_save_deadline_seconds: float = Field(
         60.0,
@@ -112,6 +118,7 @@ class CheckpointConfig(StrictSection):
             "(the previous complete checkpoint stays latest) and the process exits with code 201. Keep it below "
             "the scheduler's grace (SLURM --signal lead time, terminationGracePeriodSeconds). Default 60."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     signal_check_interval_steps: JsonInt = Field(
         1,
@@ -120,6 +127,7 @@ class CheckpointConfig(StrictSection):
             "partita only: optimizer steps between the ranks' checks for a signal (one 4-byte all-reduce each); "
             "a signal is acted on at most this many steps late. Default 1."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     @field_validator("save_on_signal")

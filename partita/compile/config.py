@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from partita.config.base import StrictSection
+from partita.config.base import PARTITA_KEY, StrictSection
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -43,6 +43,7 @@ class CompileConfig(StrictSection):
             "partita only: at initialize, compile each repeated block of the model (or the whole "
             "model when it has none) with torch.compile. Default false (engine.compile() still works)."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     backend: str = Field(
         "inductor",
@@ -50,6 +51,7 @@ class CompileConfig(StrictSection):
             "partita only: torch.compile's backend (a name from torch._dynamo.list_backends(), e.g. "
             "\"inductor\", \"aot_eager\", \"eager\"). Default \"inductor\", as DeepSpeed's engine.compile."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     mode: Mode | None = Field(
         None,
@@ -57,10 +59,12 @@ class CompileConfig(StrictSection):
             "partita only: torch.compile's mode. null uses torch's default. ZeRO-3 refuses the modes "
             "that use CUDA graphs (\"reduce-overhead\", \"max-autotune\"). Default null."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     fullgraph: bool = Field(
         False,
         description="partita only: torch.compile's fullgraph: a graph break inside a block is an error. Default false.",
+        json_schema_extra=PARTITA_KEY,
     )
     dynamic: bool | None = Field(
         None,
@@ -68,6 +72,7 @@ class CompileConfig(StrictSection):
             "partita only: torch.compile's dynamic: true compiles shape-generic kernels up front, false "
             "never does, null lets torch decide after a shape change. Default null."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     block_types: list[str] | None = Field(
         None,
@@ -75,6 +80,7 @@ class CompileConfig(StrictSection):
             "partita only: class names of the blocks to compile. Default null (the largest "
             "nn.ModuleList whose items share one type; the whole model if there is none)."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     deepcompile: bool = Field(
         False,

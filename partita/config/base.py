@@ -97,6 +97,12 @@ def _integral(value: Any) -> Any:
 JsonInt = Annotated[int, BeforeValidator(_integral)]
 """An int field that accepts integral floats (5e8) as JSON writes them, and nothing looser."""
 
+PARTITA_KEY: dict[str, str] = {"origin": "partita"}
+"""``json_schema_extra`` of a field (or a section) that is partita's own, not DeepSpeed's: the
+generated config reference (docs/generate_references.py) reads it from the JSON schema. Keys
+without it are DeepSpeed's, with DeepSpeed's name, meaning and default; a key inside a marked
+section is partita's too."""
+
 
 class StrictSection(BaseModel):
     """A config section: unknown keys are errors, values are not silently coerced."""

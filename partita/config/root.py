@@ -17,7 +17,7 @@ from partita.activation_checkpointing.config import ActivationCheckpointingConfi
 from partita.autotune.config import AutotuningConfig
 from partita.checkpoint.config import CheckpointConfig
 from partita.compile.config import CompileConfig
-from partita.config.base import JsonInt, Problem, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, Problem, StrictSection
 from partita.config.elasticity import ElasticityConfig
 from partita.distributed.config import DistributedConfig
 from partita.monitor.config import (
@@ -137,10 +137,12 @@ class PartitaConfig(StrictSection):
             "partita only: seed torch, numpy and random on every rank before the model is "
             "placed. Default null (leave the generators alone)."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig,
         description="partita only: process-group backend and collective timeout.",
+        json_schema_extra=PARTITA_KEY,
     )
     data_types: DataTypesConfig = Field(
         default_factory=DataTypesConfig,
@@ -191,6 +193,7 @@ class PartitaConfig(StrictSection):
     throughput: ThroughputConfig = Field(
         default_factory=ThroughputConfig,
         description="partita only: warm-up steps, FLOPs per token and device peak for throughput and MFU.",
+        json_schema_extra=PARTITA_KEY,
     )
     aio: AioConfig = Field(
         default_factory=AioConfig,
@@ -236,6 +239,7 @@ class PartitaConfig(StrictSection):
             "partita only: how the sequence_parallel_size ranks of one sequence run attention, \"mode\": "
             "\"ulysses\" (default) or \"ring\"."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     sequence_tiling: SequenceTilingConfig = Field(
         default_factory=SequenceTilingConfig,
@@ -243,6 +247,7 @@ class PartitaConfig(StrictSection):
             "partita only: long-context memory levers, loss_tile_tokens (LM head + loss over token tiles, no "
             "full logits) and mlp_tile_tokens (MLPs over token tiles, recomputed in backward). Default: off."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     sparse_attention: SparseAttentionConfig | None = Field(
         None,

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 from partita.offload.tier_config import OffloadTiersConfig
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -82,6 +82,7 @@ class OffloadOptimizerConfig(StrictSection):
             "partita extension, device \"auto\" only: an explicit split per tier, or the capacities and "
             "headroom partita's automatic split uses."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     delayed_param_update: bool = Field(
         False,
@@ -91,6 +92,7 @@ class OffloadOptimizerConfig(StrictSection):
             "therefore taken on weights one update old. This changes the math (it is not the same "
             "training as without it); off by default."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     overlap_step_with_forward: bool = Field(
@@ -107,6 +109,7 @@ class OffloadOptimizerConfig(StrictSection):
             "delayed_param_update, the delayed update lands beside the next forward the same way "
             "instead of before it. Off by default."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     check_host_memory: bool = Field(
@@ -117,6 +120,7 @@ class OffloadOptimizerConfig(StrictSection):
             "instead of running into the kernel's OOM killer (partita/offload/host_check.py). Applies to "
             "device \"cpu\"/\"nvme\" and to offload_param; \"auto\" plans its own fit."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     @property
@@ -216,6 +220,7 @@ class OffloadParamConfig(StrictSection):
             "bit for bit. Not with delayed_param_update (its host step rewrites the master while the next "
             "forward gathers). In fp32 training it saves the 4-byte host copy at the same PCIe bytes per gather."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
 
     @property

@@ -13,7 +13,7 @@ from typing import Literal, Union
 
 from pydantic import Field
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 
@@ -70,6 +70,7 @@ class PipelineConfig(StrictSection):
             "\"interleaved_1f1b\" and \"zero_bubble\" (ScheduleInterleavedZeroBubble; both need virtual_stages >= 2). "
             "Default \"1f1b\"."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     measure_bubble: bool | None = Field(
         None,
@@ -78,6 +79,7 @@ class PipelineConfig(StrictSection):
             "(engine.last_bubble, the step log's pipe_idle_s<k>). null: on for CPU, off for CUDA, where "
             "timing synchronises the device around every micro-batch's forward and backward. Default null."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     virtual_stages: JsonInt | None = Field(
         None,
@@ -86,4 +88,5 @@ class PipelineConfig(StrictSection):
             "partita only: model chunks per rank for the interleaved schedules; must equal "
             "PipelineModule(virtual_stages=...). Default null: the module's."
         ),
+        json_schema_extra=PARTITA_KEY,
     )

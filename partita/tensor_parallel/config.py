@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 
 
 class LayerSpec(StrictSection):
@@ -82,6 +82,7 @@ class TensorParallelConfig(StrictSection):
             "partita only: Megatron sequence parallelism — LayerNorm and dropout regions run on sequence "
             "shards; a reduce-scatter and an all-gather replace each all-reduce. Default false."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     partition_config: PartitionConfig = Field(default_factory=PartitionConfig)
     dtype: Literal["fp16", "bf16", "fp32"] | None = Field(

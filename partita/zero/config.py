@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 from partita.offload.config import OffloadOptimizerConfig, OffloadParamConfig
 
 
@@ -126,6 +126,7 @@ class ZeroConfig(StrictSection):
             "size > 1). \"auto\": gather_once when the model plus a KV-cache and activation reserve fits in "
             "every rank's free memory, else stream. See docs/guides/zero3-generation.md."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False,
@@ -147,6 +148,7 @@ class ZeroConfig(StrictSection):
             "Between steps the weights are whole as usual. Set false for a model that reads a "
             "block's weights outside that block's forward."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     one_rank_gradient_fold: Literal["auto", "early", "end", "stream"] = Field(
         "auto",
@@ -164,6 +166,7 @@ class ZeroConfig(StrictSection):
             "clip coefficient can differ in its last bits. \"auto\": stream where it applies, else the lower "
             "of the early and end peaks by partita estimate for partita's GPT, else early."
         ),
+        json_schema_extra=PARTITA_KEY,
     )
     sub_group_size: JsonInt = Field(
         1_000_000_000,

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from partita.config.base import JsonInt, StrictSection
+from partita.config.base import PARTITA_KEY, JsonInt, StrictSection
 from partita.ops.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -93,7 +93,8 @@ class SparseAttentionConfig(StrictSection):
         None, ge=1, description="bigbird/bslongformer: blocks of the sliding window (3)."
     )
     seed: JsonInt = Field(
-        0, ge=0, description="partita only: seed of the random blocks (variable, bigbird), the same on every rank."
+        0, ge=0, description="partita only: seed of the random blocks (variable, bigbird), the same on every rank.",
+        json_schema_extra=PARTITA_KEY,
     )
 
     @model_validator(mode="after")
