@@ -50,3 +50,18 @@ def test_readme_links_resolve() -> None:
         elif anchor and anchor not in _anchors(target.read_text()):
             broken.append(link)
     assert not broken, f"README.md links to missing files or headings: {broken}"
+
+
+def test_every_dated_report_is_on_the_site() -> None:
+    """A report the benchmark scripts write to benchmarks/results/<date>-report.md needs its page
+    (docs/performance/reports/<date>.md, an include of it) and a line in the performance page."""
+    index = (ROOT / "docs" / "performance" / "index.md").read_text()
+    missing = []
+    for report in sorted((ROOT / "benchmarks" / "results").glob("*-report.md")):
+        date = report.name.removesuffix("-report.md")
+        page = ROOT / "docs" / "performance" / "reports" / f"{date}.md"
+        if not page.exists() or f"benchmarks/results/{report.name}" not in page.read_text() \
+                or f"(reports/{date}.md)" not in index:
+            missing.append(report.name)
+    assert not missing, (f"{missing}: add docs/performance/reports/<date>.md (an include of the report, as the "
+                         "others) and link it under 'Dated reports' in docs/performance/index.md")
