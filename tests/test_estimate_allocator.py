@@ -137,7 +137,7 @@ def test_leave_one_out():
 
 def test_tune_sweep_prunes_what_ran_out_of_memory():
     """partita tune on one H200, GPT-2 124M, micro-batches 32/128/192 x stages 0/3 x checkpointing
-    none/every (README, Autotuning): micro-batch 128 without checkpointing was estimated at 124 GiB,
+    none/every (docs/guides/autotuning.md): micro-batch 128 without checkpointing was estimated at 124 GiB,
     launched, and ran out of memory at both stages. On predicted reserved memory it is pruned; the
     trials that finished still run; the micro-batch 192 ones stay pruned."""
     from partita.autotune.config import AutotuningConfig

@@ -56,7 +56,7 @@ _SOURCES: tuple[tuple[str, int, str, dict], ...] = (
 )
 
 TUNE_RUN = (98.6 * GIB, 15.7 * GIB)
-"""The tune trial that ran out of memory (README "Autotuning", commit c2dca91; GPT-2 124M,
+"""The tune trial that ran out of memory (docs/guides/autotuning.md, commit c2dca91; GPT-2 124M,
 micro-batch 128, no checkpointing): allocated bytes and cached-but-unusable bytes."""
 
 
