@@ -339,8 +339,8 @@ def _refusals() -> dict:
 def test_refusals_under_zero3(world2) -> None:
     out = world2[1][0]["refusals"]
     assert out["pissa"] == (
-        "get_peft_model: init_lora_weights='pissa' reads the base weights to build the adapters, and this base was "
-        "built under partita.zero.Init (each rank holds a shard); build the base without zero.Init for this "
+        "get_peft_model: init_lora_weights='pissa' rewrites the base weights while it builds the adapters, and this "
+        "base was built under partita.zero.Init (each rank holds a shard); build the base without zero.Init for this "
         "initialisation, or use init_lora_weights=True (the default) or 'gaussian'"
     )
     assert out["after_initialize"] == (

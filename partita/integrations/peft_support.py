@@ -8,10 +8,11 @@ built whole stays whole on every rank.
 
 What this module adds, and why:
 
-- :func:`get_peft_model`: ``peft.get_peft_model`` for a model built under ``zero.Init``.
-  ``modules_to_save`` makes a trainable copy of the wrapped module with ``copy.deepcopy``; peft
-  gathers DeepSpeed's parameters for it (it tests ``ds_numel``), not partita's, whose freed
-  parameters refuse to be copied. The targets are gathered around the call.
+- :func:`get_peft_model`: ``peft.get_peft_model`` for a model built under ``zero.Init``. peft
+  gathers ZeRO-3 weights only when transformers says ZeRO-3 is on (DoRA reads each base weight),
+  and ``modules_to_save`` copies the wrapped module with ``copy.deepcopy``, for which peft
+  gathers DeepSpeed's parameters (it tests ``ds_numel``) but not partita's, whose freed
+  parameters refuse to be copied. Both are arranged around peft's call.
 - :func:`save_adapters`: PEFT's own files (``adapter_config.json`` and
   ``adapter_model.safetensors``) with whole tensors, written by rank 0 at every stage. Under
   ZeRO-3 ``model.state_dict()`` holds placeholders for the sharded adapters (partita's
@@ -46,7 +47,7 @@ from partita.zero.init_context import init_shard_of
 __all__ = ["adapter_state_dict", "check_quantized_base", "gathered_adapters", "get_peft_model",
            "merged_state_dict", "save_adapters", "save_merged_model"]
 
-# LoRA initialisations that read (and some rewrite) the base weights while peft builds the adapters.
+# LoRA initialisations that leave the base weights alone (the others rewrite them, assigning .data).
 _DEFAULT_INITS = (True, False, "gaussian")
 
 
@@ -82,17 +83,23 @@ def get_peft_model(model: nn.Module, peft_config: Any, adapter_name: str = "defa
     """``peft.get_peft_model(model, peft_config, adapter_name, **kwargs)``, also for a model built
     under ``partita.zero.Init`` (call it on every rank, before ``partita.initialize``).
 
-    The modules named in ``peft_config.modules_to_save`` are gathered whole around the call (one
-    extra whole copy of each, as peft keeps anyway); the adapters peft creates are ordinary whole
-    parameters that ``initialize`` then shards. A model an engine already trains is refused: its
-    optimizer and ZeRO-3 units were built without the adapters.
+    For such a base two things are added around peft's call. peft's own ZeRO-3 gathers
+    (``gather_params_ctx``: DoRA reads each base weight's norm) run on partita: transformers'
+    ZeRO-3 hook (:func:`partita.integrations.hf_zero3.enable_zero3`) is on for the call unless one
+    is on already, so each base layer is gathered alone while peft reads it. And the modules named
+    in ``peft_config.modules_to_save`` are gathered whole while peft copies them (one extra whole
+    copy of each, as peft keeps anyway). The adapters peft creates are ordinary whole parameters
+    that ``initialize`` then shards. A model an engine already trains is refused: its optimizer and
+    ZeRO-3 units were built without the adapters.
 
     Raises:
-        ConfigError: the model is already under an engine, or an ``init_lora_weights`` that reads
+        ConfigError: the model is already under an engine, or an ``init_lora_weights`` that rewrites
             the base weights (PiSSA, OLoRA, EVA, LoftQ, CorDA) meets a base sharded by zero.Init,
             or a quantized base on a device bitsandbytes cannot run (:func:`check_quantized_base`).
     """
     import peft
+
+    from partita.integrations.hf_zero3 import active_config, enable_zero3
 
     if any(is_engine_managed(p) for p in model.parameters()):
         raise ConfigError(
@@ -104,13 +111,19 @@ def get_peft_model(model: nn.Module, peft_config: Any, adapter_name: str = "defa
     init = getattr(peft_config, "init_lora_weights", True)
     if sharded and init not in _DEFAULT_INITS:
         raise ConfigError(
-            f"get_peft_model: init_lora_weights={init!r} reads the base weights to build the adapters, and this base "
-            "was built under partita.zero.Init (each rank holds a shard); build the base without zero.Init for this "
-            "initialisation, or use init_lora_weights=True (the default) or 'gaussian'"
+            f"get_peft_model: init_lora_weights={init!r} rewrites the base weights while it builds the adapters, and "
+            "this base was built under partita.zero.Init (each rank holds a shard); build the base without zero.Init "
+            "for this initialisation, or use init_lora_weights=True (the default) or 'gaussian'"
         )
     targets = _modules_to_save_params(model, getattr(peft_config, "modules_to_save", None)) if sharded else []
-    with GatheredParameters(targets):  # read-only: the originals are not changed, the copies are new parameters
+    hook = enable_zero3(_HOOK_CONFIG) if sharded and active_config() is None else contextlib.nullcontext()
+    # Read-only gather: the originals are not changed, the copies are new parameters.
+    with hook, GatheredParameters(targets):
         return peft.get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs)
+
+
+# What transformers' ZeRO-3 hook needs to say "ZeRO-3 is on" while peft builds the adapters.
+_HOOK_CONFIG = {"zero_optimization": {"stage": 3}}
 
 
 def _modules_to_save_params(model: nn.Module, names: Any) -> list[nn.Parameter]:
