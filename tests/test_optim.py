@@ -60,7 +60,7 @@ def test_unknown_type_lists_supported_and_suggests():
             ("type",),
             "Value error, unknown optimizer type 'Adma'; did you mean 'Adam' or 'AdamW'? Supported: "
             "Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, PagedAdamW8bit, PagedAdam8bit, "
-            "PagedLion8bit. Other DeepSpeed optimizers (Lamb, OneBitAdam, ZeroOneAdam, "
+            "PagedLion8bit, OneBitAdam. Other DeepSpeed optimizers (Lamb, ZeroOneAdam, "
             "OneBitLamb, Adagrad, Muon) are not implemented yet.",
         )
     ]
@@ -69,12 +69,12 @@ def test_unknown_type_lists_supported_and_suggests():
 
 
 def test_known_deepspeed_type_not_implemented():
-    assert _errors({"type": "onebitadam"}) == [
+    assert _errors({"type": "zerooneadam"}) == [
         (
             ("type",),
-            "Value error, optimizer type 'onebitadam': DeepSpeed's OneBitAdam is not implemented "
+            "Value error, optimizer type 'zerooneadam': DeepSpeed's ZeroOneAdam is not implemented "
             "in partita yet. Supported: Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, "
-            "PagedAdamW8bit, PagedAdam8bit, PagedLion8bit.",
+            "PagedAdamW8bit, PagedAdam8bit, PagedLion8bit, OneBitAdam.",
         )
     ]
 

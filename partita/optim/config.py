@@ -44,6 +44,7 @@ __all__ = [
     "LionParams",
     "AdamW8bitParams",
     "Adam8bitParams",
+    "OneBitAdamParams",
     "OptimizerConfig",
     "WarmupLRParams",
     "WarmupDecayLRParams",
@@ -214,6 +215,31 @@ class Adam8bitParams(AdamW8bitParams):
         return self
 
 
+class OneBitAdamParams(_OptimizerParams):
+    """DeepSpeed ``"OneBitAdam"`` (partita/optim/onebit.py): AdamW for ``freeze_step`` steps, then
+    frozen variance and 1-bit compressed momentum. Weight decay is decoupled (as DeepSpeed's
+    OnebitAdam adds ``weight_decay * p`` to the update). ``cuda_aware`` and ``comm_backend_name``
+    are accepted so DeepSpeed configs load: partita always compresses through torch.distributed
+    (gloo or NCCL, whichever the job runs on); the MPI backend is refused."""
+
+    lr: NonNegFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+    freeze_step: PosInt = 100000
+    bias_correction: bool = True
+    cuda_aware: bool = False
+    comm_backend_name: Literal["nccl", "gloo", "compressed"] = "nccl"
+
+    @field_validator("bias_correction")
+    @classmethod
+    def _corrected(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("bias_correction=false is not supported by OneBitAdam (its warm-up is torch's "
+                             "AdamW, always bias-corrected); remove bias_correction")
+        return value
+
+
 _OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
@@ -227,10 +253,11 @@ _OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
     "PagedAdamW8bit": AdamW8bitParams,
     "PagedAdam8bit": Adam8bitParams,
     "PagedLion8bit": LionParams,
+    "OneBitAdam": OneBitAdamParams,
 }
 OPTIMIZER_TYPES: tuple[str, ...] = tuple(_OPTIMIZER_PARAMS)
 # DeepSpeed config types partita knows about but does not implement.
-_PENDING_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Muon")
+_PENDING_OPTIMIZERS = ("Lamb", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Muon")
 _FOUR_BIT = ("AdamW4bit", "Adam4bit")
 
 
@@ -265,7 +292,8 @@ class OptimizerConfig(StrictSection):
     """``{"type": "AdamW", "params": {...}}``; ``params`` is the per-type model."""
 
     type: Literal[
-        "Adam", "AdamW", "SGD", "Lion", "AdamW8bit", "Adam8bit", "Lion8bit", "PagedAdamW8bit", "PagedAdam8bit", "PagedLion8bit"
+        "Adam", "AdamW", "SGD", "Lion", "AdamW8bit", "Adam8bit", "Lion8bit", "PagedAdamW8bit", "PagedAdam8bit", "PagedLion8bit",
+        "OneBitAdam",
     ]
     params: SerializeAsAny[_OptimizerParams] = Field(default_factory=dict)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from partita.optim.config import AdamParams, LionParams, OptimizerConfig, SGDParams
+from partita.optim.config import AdamParams, LionParams, OneBitAdamParams, OptimizerConfig, SGDParams
 from partita.optim.eight_bit import BLOCK_SIZE, EIGHT_BIT_CLASSES, build_eight_bit_optimizer
 from partita.optim.lion import Lion
 
@@ -68,6 +68,11 @@ def build_optimizer(
     params = config.params
     if config.type in EIGHT_BIT_CLASSES:  # before the isinstance checks: Lion8bit has LionParams
         return build_eight_bit_optimizer(config.type, params, groups)
+    if isinstance(params, OneBitAdamParams):
+        from partita.optim.onebit import OneBitAdam  # lazily: it imports partita.zero
+
+        return OneBitAdam(groups, lr=params.lr, betas=params.betas, eps=params.eps,
+                          weight_decay=params.weight_decay, freeze_step=params.freeze_step)
     if isinstance(params, AdamParams):  # covers AdamWParams
         return _build_adam(config.type, params, groups, device_type=device_type)
     if isinstance(params, SGDParams):

@@ -121,6 +121,10 @@ class ShardedOptimizer:
              for param, spec, (start, end) in group.owned_slices() if id(param) in uncounted and end > start]
             for group in groups
         ]
+        # 1-bit optimizers (partita/optim/onebit.py) step themselves in their compressed phase.
+        attach = getattr(inner, "attach_zero", None)
+        if attach is not None:
+            attach(self)
 
     def count_norm_across(self, group: dist.ProcessGroup, *, uncounted_params: Collection[torch.Tensor] = (),
                           covers_tensor_group: bool = False) -> None:
@@ -216,6 +220,14 @@ class ShardedOptimizer:
         :meth:`finish_pending_step`): the next micro-batches run on weights one update old.
         """
         self.finish_pending_step(into_forward=True)
+        compressed = getattr(self.inner, "compressed_phase", None)
+        if compressed is not None and compressed():
+            applied, norm = self.inner.compressed_step(loss_scale=loss_scale, clip=self._clip)
+            if applied:
+                self.write_back_params()
+                if after is not None:
+                    after()
+            return StepResult(applied=applied, grad_norm=norm)
         if self.streamed is not None:  # one process, no gradient partition (streamed_step.py)
             norm_sq, used = self.streamed.grad_norm_sq(), received
         else:

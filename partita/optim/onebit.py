@@ -1,0 +1,205 @@
+"""1-bit Adam (DeepSpeed's ``OneBitAdam``) over ZeRO-1/2 partitions.
+
+[Note: the two phases]
+- warm-up, the first ``freeze_step`` steps: plain AdamW. This class *is* torch's AdamW there
+  (``super().step()``), on the flat fp32 partitions ZeRO reduces gradients into, so the phase is
+  bit-identical to partita's ``"Adam"`` with the same settings (``fused: false``).
+- compressed, every later step: the second moment is frozen; gradients are no longer reduced.
+  The engine's gradient reducer stands aside (``GradientReducer.local_only``), each rank keeps its
+  whole local gradient, and :meth:`OneBitAdam.compressed_step` (called by the sharded optimizer
+  in place of its own step) exchanges the momentum compressed to one bit per element
+  (:mod:`partita.optim.onebit_comm`).
+
+[Note: 1-bit Adam with ZeRO] (DeepSpeed refuses ZeRO for its 1-bit optimizers.)
+Every rank holds the synchronised momentum of the whole model (``world x partition`` fp32, rebuilt
+from the ranks' ``exp_avg`` partitions by one fp32 all-gather when the phase starts or after a
+checkpoint load) and its worker error of the same size; it forms its local estimate
+``b1 * m + (1 - b1) * g_local`` over all partitions, and the compressed all-to-all + all-gather
+(rows = ZeRO partitions) replace the gradient reduce-scatter. Rank ``r`` then updates only its
+own partition with row ``r`` of the result and its frozen ``exp_avg_sq``; the usual parameter
+all-gather follows. Costs: two extra model-sized fp32 buffers per rank in this phase, and at stage 2
+the local gradients stay whole in ``param.grad`` until the step.
+The update is torch's AdamW rule with the variance's bias correction frozen at ``freeze_step``.
+Gradient clipping and the fp16 overflow check use the local gradients (their norms are summed over
+ranks in one fp32 all-reduce): the reported norm is ``sqrt(mean_r |g_r|^2)``, an upper bound of the
+averaged gradient's norm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from partita.config.base import ConfigError
+from partita.distributed import collectives
+from partita.optim.onebit_comm import compressed_exchange
+from partita.zero.shard_group import pack_into_columns
+from partita.zero.unused_params import restore_unused, save_unused
+
+if TYPE_CHECKING:
+    from partita.zero.sharded_optimizer import ShardedOptimizer
+
+__all__ = ["OneBitAdam"]
+
+_PURPOSE = "1-bit Adam momentum exchange"
+
+
+class OneBitAdam(torch.optim.AdamW):
+    """AdamW for ``freeze_step`` steps, then 1-bit compressed momentum with frozen variance."""
+
+    def __init__(self, params: Any, *, freeze_step: int, **adamw: Any) -> None:
+        super().__init__(params, foreach=False, fused=False, **adamw)
+        self.freeze_step = freeze_step
+        self._sharded: ShardedOptimizer | None = None
+        self._reducer = None
+        # Per group: the synchronised momentum and this rank's worker error, (world, partition).
+        self._momentum: list[torch.Tensor | None] = []
+        self._worker_error: list[torch.Tensor | None] = []
+        self._masks: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ wiring
+    def attach_zero(self, sharded: ShardedOptimizer) -> None:
+        """Called by the sharded optimizer that owns this optimizer (partita/zero/sharded_optimizer.py)."""
+        stages = {g.layout.num_shards for g in sharded.groups}
+        if stages != {sharded._world_size} or sharded.param_store is not None or sharded._world_size < 2:
+            raise ConfigError(
+                "optimizer type 'OneBitAdam' runs with zero_optimization.stage 1 or 2 over two or more "
+                "data-parallel ranks (its compressed exchange replaces the gradient reduce-scatter of the "
+                "ZeRO partitions); use stage 1 or 2, or type \"AdamW\""
+            )
+        if any(g.offloaded for g in sharded.groups) or any(g.comm is not None and g.comm.size != sharded._world_size
+                                                            for g in sharded.groups):
+            raise ConfigError(
+                "optimizer type 'OneBitAdam' does not combine with offload_optimizer or MoE expert groups; "
+                "remove them, or use type \"AdamW\""
+            )
+        self._sharded = sharded
+        self._momentum = [None] * len(sharded.groups)
+        self._worker_error = [None] * len(sharded.groups)
+        self._masks = [_real_mask(g) for g in sharded.groups]
+
+    def _bind_reducer(self) -> None:
+        if self._reducer is not None or self._sharded is None:
+            return
+        from partita.zero.gathered import owner_of
+
+        state = owner_of(self._sharded.groups[0].params[0])
+        self._reducer = state.reducer
+        if self._reducer._accumulate_in_fp32:
+            raise ConfigError(
+                "optimizer type 'OneBitAdam' keeps local gradients in param.grad in its compressed phase; "
+                "data_types.grad_accum_dtype \"fp32\" is not supported with it: remove grad_accum_dtype"
+            )
+        self._reducer.local_only = self.compressed_phase
+
+    def steps_done(self) -> int:
+        state = self.state.get(self.param_groups[0]["params"][0], {})
+        step = state.get("step", 0)
+        return int(step.item() if torch.is_tensor(step) else step)
+
+    def compressed_phase(self) -> bool:
+        """Whether the next step is compressed (``freeze_step`` steps are done)."""
+        return self.steps_done() >= self.freeze_step
+
+    # ------------------------------------------------------------------ warm-up
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self._bind_reducer()
+        if self.compressed_phase():
+            raise RuntimeError("OneBitAdam: compressed steps run through compressed_step() (ZeRO's sharded optimizer)")
+        return super().step(closure)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._bind_reducer()
+        # The synchronised momentum is rebuilt from the loaded exp_avg partitions at the next step.
+        self._momentum = [None] * len(self._momentum)
+        # The worker error is this rank's own and is not in the checkpoint: it restarts at zero.
+        self._worker_error = [None] * len(self._worker_error)
+
+    # ------------------------------------------------------------------ compressed phase
+    @torch.no_grad()
+    def compressed_step(self, *, loss_scale: float, clip: float) -> tuple[bool, float]:
+        """One compressed step over every group; returns (applied, grad_norm). Collectives: one
+        fp32 all-reduce (norm), then per group the compressed all-to-all and all-gather."""
+        sharded = self._sharded
+        self._bind_reducer()
+        group_pg, world = sharded.process_group, sharded._world_size
+        grads, received = [], []
+        for group in sharded.groups:
+            matrix = torch.zeros((world, group.layout.partition_numel), dtype=torch.float32, device=group.master.device)
+            for param, spec in zip(group.params, group.layout.specs):
+                received.append(param.grad is not None)
+                pack_into_columns(matrix, spec.partition_offset, spec, param.grad)
+                param.grad = None
+            grads.append(matrix)
+        # One all-reduce: the squared local norms and which parameters got a gradient anywhere.
+        packed = torch.tensor([0.0] + [float(r) for r in received], device=grads[0].device)
+        packed[0] = sum(m.square().sum() for m in grads)
+        collectives.all_reduce(packed, group=group_pg, purpose=f"{_PURPOSE}: local gradient norms")
+        values = packed.tolist()
+        norm = math.sqrt(values[0] / world) / loss_scale
+        if not math.isfinite(norm):
+            return False, norm
+        multiplier = 1.0 / loss_scale
+        if clip > 0:
+            multiplier *= min(1.0, clip / (norm + 1e-6))
+        used, i = [], 1
+        for group in sharded.groups:
+            used.append([v > 0 for v in values[i : i + len(group.params)]])
+            i += len(group.params)
+        # Parameters no rank produced a gradient for keep their weights and states (as in the warm-up,
+        # partita/zero/unused_params.py) and are left out of the compressed exchange.
+        kept = save_unused(sharded.groups, self, used)
+        for g, (group, grad) in enumerate(zip(sharded.groups, grads)):
+            mask = self._masks[g]
+            if not all(used[g]):
+                mask = mask.clone()
+                for spec, was_used in zip(group.layout.specs, used[g]):
+                    if not was_used:
+                        mask[:, spec.partition_offset : spec.partition_offset + spec.shard_numel] = False
+            self._step_group(g, group, grad.mul_(multiplier), mask, group_pg)
+        restore_unused(kept)
+        return True, norm
+
+    def _step_group(self, g: int, group, grad: torch.Tensor, mask: torch.Tensor, process_group) -> None:
+        options = self.param_groups[g]
+        master = options["params"][0]
+        state = self.state[master]
+        rank = group.shard_rank
+        beta1, beta2 = options["betas"]
+        if self._momentum[g] is None:
+            momentum = torch.empty_like(grad)
+            collectives.all_gather_into_tensor(momentum.view(-1), state["exp_avg"], group=process_group,
+                                               purpose=f"{_PURPOSE}: momentum rebuild")
+            self._momentum[g] = momentum
+        if self._worker_error[g] is None:
+            self._worker_error[g] = torch.zeros_like(grad)
+        if "server_error" not in state:
+            state["server_error"] = torch.zeros_like(master)
+        estimate = self._momentum[g].mul_(beta1).add_(grad, alpha=1 - beta1)
+        synced = compressed_exchange(estimate, self._worker_error[g], state["server_error"], mask,
+                                     rank=rank, group=process_group, purpose=_PURPOSE)
+        self._momentum[g] = synced
+        state["exp_avg"].copy_(synced[rank])
+        state["step"] += 1
+        step = float(state["step"].item())
+        lr, eps, decay = options["lr"], options["eps"], options["weight_decay"]
+        master.mul_(1 - lr * decay)  # decoupled, as AdamW
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2 ** min(step, self.freeze_step)  # the variance stopped at freeze_step
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
+        master.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+
+
+def _real_mask(group) -> torch.Tensor:
+    """``(world, partition)`` bool: which partition elements of each rank are real (not ZeRO padding)."""
+    world = group.layout.num_shards
+    mask = torch.zeros((world, group.layout.partition_numel), dtype=torch.bool, device=group.master.device)
+    for spec in group.layout.specs:
+        for rank in range(world):
+            start, end = spec.owned_range(rank)
+            mask[rank, spec.partition_offset : spec.partition_offset + (end - start)] = True
+    return mask

@@ -1,0 +1,140 @@
+"""1-bit Adam (OneBitAdam) with ZeRO-1/2: warm-up bit-identical to Adam, compressed-phase bytes,
+training close to Adam, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.tiny_models import build_model, make_batches, param_groups
+
+LR, GLOBAL_BATCH, WARM, STEPS = 1e-2, 8, 3, 40
+
+
+def _config(kind: str, stage: int, freeze_step: int = WARM) -> dict:
+    params = {"lr": LR, "weight_decay": 0.1, "betas": [0.9, 0.999], "eps": 1e-8}
+    if kind == "OneBitAdam":
+        params["freeze_step"] = freeze_step
+    else:
+        params["fused"] = False
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "optimizer": {"type": kind, "params": params},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 60},
+        "steps_per_print": 1000,
+    }
+
+
+def _train(kind: str, stage: int, steps: int, *, count_bytes_at: int | None = None):
+    import torch.distributed as dist
+
+    import partita
+    from partita.monitor.comms_logger import COMMS_LOGGER
+
+    model = build_model()
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=_config(kind, stage))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = GLOBAL_BATCH // world
+    xs, ys = make_batches(steps, GLOBAL_BATCH)
+    losses, snapshots, records = [], [], []
+    for step in range(steps):
+        if step == count_bytes_at:
+            COMMS_LOGGER.enabled, COMMS_LOGGER._ops = True, frozenset({"all_to_all_single", "all_gather_into_tensor",
+                                                                        "all_reduce", "reduce_scatter_tensor"})
+            COMMS_LOGGER.reset()
+        lo = rank * micro
+        loss = engine(xs[step][lo : lo + micro], ys[step][lo : lo + micro])
+        engine.backward(loss)
+        engine.step()
+        if step == count_bytes_at:
+            records = [(r.op, r.purpose, r.message_bytes) for r in COMMS_LOGGER.records()]
+            COMMS_LOGGER.enabled = False
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / world)
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    partitions = [g.layout.partition_numel for g in engine.optimizer.groups]
+    return losses, snapshots, records, partitions
+
+
+def _run_all(stage: int):
+    adam = _train("Adam", stage, STEPS)
+    onebit = _train("OneBitAdam", stage, STEPS, count_bytes_at=WARM + 2)
+    return adam[0], onebit[0], [s for s in adam[1][:WARM]], [s for s in onebit[1][:WARM]], onebit[2], onebit[3]
+
+
+def test_sign_packing_round_trip():
+    from partita.optim.onebit_comm import pack_signs, packed_row_bytes, unpack_signs
+
+    x = torch.tensor([[0.5, -1.0, 0.0, -0.0, 3.0, -2.0, 1.0, -1e-9, 7.0, -7.0, 1.0]])
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (1, 2)
+    assert packed_row_bytes(11) == 2 + 4
+    expected = torch.where(x >= 0, 1.0, -1.0)
+    assert torch.equal(unpack_signs(packed, 11), expected)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_onebit_adam_zero(stage):
+    world = 2
+    results = run_distributed(_run_all, world, stage)
+    adam_losses, onebit_losses, adam_warm, onebit_warm, records, partitions = results[0]
+    # Warm-up: torch's AdamW itself, bit for bit (weights after every warm-up step).
+    for a, b in zip(adam_warm, onebit_warm):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    assert adam_losses[:WARM] == onebit_losses[:WARM]
+    # The compressed step: no gradient reduce-scatter; the momentum goes as 1 bit per element plus a
+    # 4-byte scale per row, through one all-to-all and one all-gather.
+    ops = {(op, purpose.split(":")[0]) for op, purpose, _ in records}
+    assert not any(op == "reduce_scatter_tensor" for op, _ in ops), records
+    from partita.optim.onebit_comm import packed_row_bytes
+
+    compressed = sum(b for op, purpose, b in records if purpose.startswith("1-bit Adam momentum exchange: compressed"))
+    # Per group (partition p): an all-to-all and an all-gather of world rows of ceil(p / 8) + 4 bytes.
+    assert compressed == sum(2 * world * packed_row_bytes(p) for p in partitions), records
+    # What crosses each link (nccl-tests bus bytes): an all-reduce moves 2(n-1)/n of its message, an
+    # all-to-all or all-gather (n-1)/n. Against the fp16 gradient all-reduce (DeepSpeed's 16x):
+    link = (world - 1) / world
+    fp16_all_reduce_bus = sum(2 * link * 2 * world * p for p in partitions)
+    compressed_bus = link * compressed
+    scales_and_rounding_bus = link * sum(2 * world * (4 + 1) for _ in partitions)  # <= 5 bytes per row
+    assert compressed_bus <= fp16_all_reduce_bus / 16 + scales_and_rounding_bus
+    # Against ZeRO-1/2's fp16 reduce-scatter ((n-1)/n of 2 bytes per element) it is 1/8.
+    fp16_reduce_scatter_bus = sum(link * 2 * world * p for p in partitions)
+    assert compressed_bus <= fp16_reduce_scatter_bus / 8 + scales_and_rounding_bus
+    # Training: the tiny model's loss falls as with Adam, within 5% of Adam's after 40 steps. Why 5%:
+    # sign compression changes each step's update direction by design; on this model the 1-bit run
+    # ends within ~1-2% of Adam, and a broken exchange (wrong rows, lost scale) diverges far past 5%.
+    assert onebit_losses[-1] < onebit_losses[0] * 0.8
+    print(stage, adam_losses[-1], onebit_losses[-1])
+    assert abs(onebit_losses[-1] - adam_losses[-1]) <= 0.05 * adam_losses[-1], (onebit_losses[-1], adam_losses[-1])
+    # Every rank ends with the same weights (the exchange is identical everywhere).
+    assert results[1][1] == onebit_losses
+
+
+@pytest.mark.parametrize(
+    "kind, needle",
+    [("ZeroOneAdam", "DeepSpeed's ZeroOneAdam is not implemented in partita yet. Supported: "),
+     ("OneBitLamb", "DeepSpeed's OneBitLamb is not implemented in partita yet. Supported: ")],
+)
+def test_unbuilt_one_bit_types_are_refused(kind, needle):
+    from partita.config import load_config
+    from partita.config.base import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": {}}})
+    assert needle in str(info.value) and "OneBitAdam" in str(info.value)
+
+
+def test_onebit_adam_params_validated():
+    from partita.config import load_config
+    from partita.config.base import ConfigError
+
+    cfg = load_config({"train_batch_size": 8, "optimizer": {"type": "onebitadam", "params": {"freeze_step": 5}}})
+    assert cfg.optimizer.type == "OneBitAdam" and cfg.optimizer.params.freeze_step == 5
+    with pytest.raises(ConfigError, match="freeze_step"):
+        load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 0}}})
+    with pytest.raises(ConfigError, match="comm_backend_name"):
+        load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "mpi"}}})
