@@ -39,6 +39,7 @@ from partita.zero.fold_choice import resolve_gradient_fold
 from partita.optim.factory import build_optimizer, required_alignment
 from partita.optim.schedulers import build_scheduler
 from partita.param_groups import normalize_param_groups
+from partita.precision.fp8 import apply_fp8
 from partita.precision.loss_scaler import build_loss_scaler
 from partita.tensor_parallel.setup import apply_config as apply_tensor_parallel_config
 from partita.ops.sparse_attention.apply import apply_config as apply_sparse_attention_config
@@ -137,6 +138,9 @@ def initialize(
     compute_dtype = _DTYPES[cfg.precision]
     # The strategies, in this order (torchtitan's): tensor parallelism splits the whole model first,
     # then experts, activation checkpointing, compile, and ZeRO over what each rank holds.
+    # fp8 first, as torchtitan's converters: its Float8Linear keeps each Parameter (param_groups stay valid)
+    # and every later strategy wraps the converted model (partita/precision/fp8.py says why this order).
+    apply_fp8(model, cfg, topology, device=device)
     param_groups = apply_tensor_parallel_config(model, cfg.tensor_parallel, topology, param_groups)
     # MoE layers get their expert groups (collective: same order everywhere); expert parameters
     # are then broadcast, reduced and ZeRO-sharded within their expert-data group only.

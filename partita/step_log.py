@@ -74,6 +74,9 @@ class StepLogger:
         self._measured_flops_per_token: float | None = None
         precision = _PRECISION.get(engine.compute_dtype, "fp32")
         self.peak_tflops = config.throughput.peak_tflops or device_peak_tflops(self._device, precision)
+        if config.fp8.enabled and config.throughput.peak_tflops is None:
+            # FP8 and bf16 matmuls mixed have no single peak: no MFU, as torchtitan (docs/guides/fp8.md).
+            self.peak_tflops = None
         self._monitors = build_monitors(config, is_writing_rank=self._is_rank0)
         if self._monitors.enabled:
             atexit.register(self._monitors.close)

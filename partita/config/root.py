@@ -31,6 +31,7 @@ from partita.monitor.config import (
 from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
+from partita.precision.fp8_config import FP8Config
 from partita.ops.sparse_attention.config import SparseAttentionConfig
 from partita.pipe.config import PipelineConfig
 from partita.sequence.config import SequenceParallelConfig, SequenceTilingConfig
@@ -108,6 +109,14 @@ class PartitaConfig(StrictSection):
     bf16: BF16Config = Field(
         default_factory=BF16Config,
         description="bf16 training (DeepSpeed also reads the key \"bfloat16\"). DeepSpeed default: disabled.",
+    )
+    fp8: FP8Config = Field(
+        default_factory=FP8Config,
+        description=(
+            "partita only: FP8 matmuls in the model's linears through torchao's float8 training (recipe, "
+            "filter, keep_first_last_bf16, emulate). Default: off."
+        ),
+        json_schema_extra=PARTITA_KEY,
     )
     gradient_clipping: float = Field(
         1.0,
