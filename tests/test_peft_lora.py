@@ -113,6 +113,37 @@ def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
     return out
 
 
+def _run_whole_adapters(save_dir: str) -> dict:
+    """ZeRO-3 with the persistence threshold at whole_adapters_threshold: the adapters are never
+    sharded, and peft's bare save_pretrained on rank 0 alone writes them whole."""
+    import torch.distributed as dist
+    from peft import LoraConfig
+
+    import partita
+    from partita.integrations import peft_support
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = peft_support.get_peft_model(_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    config = _config(3)
+    threshold = peft_support.whole_adapters_threshold(model)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                         config=config)
+    xs = _batches()
+    for step in range(STEPS):
+        micro = xs[step][rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+    if rank == 0:
+        model.save_pretrained(f"{save_dir}/whole-bare")  # one rank, no gather
+    dist.barrier()
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    whole = [not engine.zero.gatherer.is_sharded_param(p) and p.untyped_storage().nbytes() > 0 for p in adapters]
+    return {"threshold": threshold, "adapters": peft_support.adapter_state_dict(engine), "whole": whole}
+
+
 def _load_4bit(base_dir: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -150,6 +181,7 @@ def _body(save_dir: str, base_dir: str) -> dict:
 
     init_distributed()
     out = {name: _run(name, stage, use_init, save_dir) for name, stage, use_init in RUNS}
+    out["whole"] = _run_whole_adapters(save_dir)
     out["qlora"] = _run_qlora(base_dir, save_dir)
     out["refusals"] = _refusals()
     return out
@@ -371,3 +403,72 @@ def test_qlora_at_zero3_trains_like_single_process_peft(world2) -> None:
     for key, value in want.items():
         assert saved[key].numel() > 0 and torch.equal(saved[key], run["adapters"][key]), key
         assert _rel(run["adapters"][key], value) < 1e-5, (key, _rel(run["adapters"][key], value))
+
+
+def _dora_body(save_dir: str) -> dict:
+    """DoRA on a base built under zero.Init: peft reads each base weight's norm while it builds the
+    adapters (its own ZeRO-3 gather, served by partita). Its own launch: a process builds one
+    model under zero.Init here, as in ``_body``."""
+    import torch.distributed as dist
+
+    import partita
+    from partita.distributed.init import init_distributed
+    from partita.integrations import peft_support
+
+    init_distributed()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    with partita.zero.Init(config_dict_or_path=_config(3)):
+        base = _llama()
+    model = peft_support.get_peft_model(base, _lora(use_dora=True))
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                         config=_config(3))
+    xs = _batches()
+    for step in range(STEPS):
+        micro = xs[step][rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+    peft_support.save_adapters(engine, f"{save_dir}/dora")
+    return {"adapters": peft_support.adapter_state_dict(engine), "merged": peft_support.merged_state_dict(engine)}
+
+
+def test_dora_on_a_zero_init_base_trains_saves_and_merges(tmp_path) -> None:
+    import peft
+
+    out = run_distributed(_dora_body, 2, str(tmp_path), timeout=300)[0]
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_llama(), _lora(use_dora=True))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=DECAY)
+    for batch in _batches():
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    want = peft.get_peft_model_state_dict(model)
+    assert any("lora_magnitude_vector" in k for k in want)
+    assert sorted(out["adapters"]) == sorted(want)
+    for key, value in want.items():
+        assert _rel(out["adapters"][key], value) < 1e-5, (key, _rel(out["adapters"][key], value))
+    torch.manual_seed(0)
+    unsharded = peft.PeftModel.from_pretrained(_llama(), str(tmp_path / "dora")).merge_and_unload().state_dict()
+    assert sorted(out["merged"]) == sorted(unsharded)
+    for key, value in unsharded.items():
+        assert torch.equal(out["merged"][key], value), key
+
+
+def test_whole_adapters_threshold_makes_peft_save_pretrained_whole(world2) -> None:
+    from peft import PeftModel, get_peft_model_state_dict
+
+    save_dir, per_rank = world2
+    run = per_rank[0]["whole"]
+    assert run["threshold"] == 4 * 32  # r x hidden: every lora_A and lora_B of q_proj and v_proj
+    assert len(run["whole"]) == 8 and all(run["whole"])  # at threshold 0 (run z3) they are sharded and refuse
+    saved = load_file(str(save_dir / "whole-bare" / "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(run["adapters"]) and len(saved) == 8
+    for key, value in run["adapters"].items():
+        assert saved[key].numel() > 0 and torch.equal(saved[key], value), key
+    torch.manual_seed(0)
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(_llama(), str(save_dir / "whole-bare")))
+    assert all(torch.equal(loaded[k], v) for k, v in run["adapters"].items())

@@ -19,7 +19,9 @@ What this module adds, and why:
   state_dict guard; DeepSpeed gives 0-element tensors there, which peft then saves as empty
   adapters). This gathers only what peft saves, one tensor at a time, and hands it to peft's
   ``save_pretrained(state_dict=...)``. :func:`gathered_adapters` is the same gather as a block,
-  for code that calls peft's ``save_pretrained`` itself.
+  for code that calls peft's ``save_pretrained`` itself; with :func:`whole_adapters_threshold` as
+  the persistence threshold the adapters are never sharded, and peft's bare ``save_pretrained``
+  on rank 0 is whole too.
 - :func:`merged_state_dict` / :func:`save_merged_model`: what ``merge_and_unload()`` of the
   unsharded model would give, on rank 0, without changing the engine's model: each adapted layer
   is gathered alone, merged by peft's own ``merge``, read, and put back exactly as it was.
@@ -45,7 +47,7 @@ from partita.integrations.hf_gathered import GatheredParameters, is_engine_manag
 from partita.zero.init_context import init_shard_of
 
 __all__ = ["adapter_state_dict", "check_quantized_base", "gathered_adapters", "get_peft_model",
-           "merged_state_dict", "save_adapters", "save_merged_model"]
+           "merged_state_dict", "save_adapters", "save_merged_model", "whole_adapters_threshold"]
 
 # LoRA initialisations that leave the base weights alone (the others rewrite them, assigning .data).
 _DEFAULT_INITS = (True, False, "gaussian")
@@ -222,6 +224,17 @@ def save_adapters(model: Any, save_directory: str | os.PathLike, *, engine: Any 
                                    is_main_process=True, **kwargs)
     if dist.is_initialized():
         dist.barrier()  # every rank returns once the files exist
+
+
+def whole_adapters_threshold(model_or_engine: Any, *, save_embedding_layers: Any = "auto") -> int:
+    """The smallest ``zero_optimization.stage3_param_persistence_threshold`` that keeps every tensor
+    peft saves whole on every rank at ZeRO-3 (the largest one's element count). With it in the
+    config, the adapters are never freed, so peft's own ``model.save_pretrained(dir)`` called on
+    rank 0 alone writes them whole (no gather, no collective). The cost: each rank holds them
+    whole in the model's dtype, and base parameters up to that size (norms) stay whole too."""
+    model, _ = _peft_model_of(model_or_engine, "whole_adapters_threshold")
+    entries = _adapter_entries(model, list(model.peft_config), save_embedding_layers)
+    return max((t.numel() for t in entries.values()), default=0)
 
 
 @contextlib.contextmanager
