@@ -26,7 +26,7 @@ from tests._config_helpers import only_problem, problems_of
          "zero_optimization.stage3_use_all_reduce_for_fetch_params"),
         ({"zero_optimization": {"stage3_some_future_knob": 1}}, "zero_optimization.stage3_some_future_knob"),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
-        ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+        ({"zero_optimization": {"zero_quantized_future_knob": True}}, "zero_optimization.zero_quantized_future_knob"),
         ({"zero_optimization": {"round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
         ({"zero_optimization": {"mics_shard_size": 8}}, "zero_optimization.mics_shard_size"),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from partita.distributed.collective_errors import explain_collective_failure
 from partita.monitor.comms_logger import COMMS_LOGGER
 
-__all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"]
+__all__ = ["all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast", "reduce_scatter_tensor"]
 
 # torch 2.13 deprecates dist.all_gather_into_tensor / dist.reduce_scatter_tensor (a FutureWarning,
 # once per process) in favour of dist.all_gather_single / dist.reduce_scatter_single, which older
@@ -67,6 +67,17 @@ def all_gather_into_tensor(
     token = COMMS_LOGGER.start("all_gather_into_tensor", _nbytes(output), output, group, purpose)
     with explain_collective_failure(purpose):
         work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    COMMS_LOGGER.finish(token, work)
+    return work
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None, purpose: str, async_op: bool = False
+) -> dist.Work | None:
+    """Rank r's chunk j of ``input`` lands as chunk r of rank j's ``output`` (equal chunks)."""
+    token = COMMS_LOGGER.start("all_to_all_single", _nbytes(input), input, group, purpose)
+    with explain_collective_failure(purpose):
+        work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
     COMMS_LOGGER.finish(token, work)
     return work
 

@@ -14,8 +14,8 @@ Latency is measured from the launch to completion as the issuing rank sees it:
 
 Bandwidths follow nccl-tests (``doc/PERFORMANCE.md``): algbw = message size / time, with
 message size = the full buffer (all-reduce, broadcast), the whole gathered output
-(all-gather) or the whole input (reduce-scatter); busbw = algbw × 2(n-1)/n for all-reduce,
-× (n-1)/n for all-gather and reduce-scatter, × 1 for broadcast — the rate each link must
+(all-gather) or the whole input (reduce-scatter, all-to-all); busbw = algbw × 2(n-1)/n for all-reduce,
+× (n-1)/n for all-gather, reduce-scatter and all-to-all, × 1 for broadcast — the rate each link must
 sustain, comparable with the hardware's bandwidth.
 """
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger("partita")
 
-OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
+OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_to_all_single")
 
 # Asynchronous collectives not waited for through collectives.wait() are dropped past this.
 _MAX_PENDING = 4096
@@ -46,7 +46,7 @@ def bus_factor(op: str, group_size: int) -> float:
         return 0.0  # nothing crosses a link
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+    if op in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single"):
         return (n - 1) / n
     if op == "broadcast":
         return 1.0

@@ -173,6 +173,8 @@ def apply_zero(
         download_during_backward=offload.enabled,
         fold_at_end=config.one_rank_gradient_fold == "end",
         streamed=config.one_rank_gradient_fold == "stream",
+        # ZeRO++ qgZ: reduce-scatters become quantized all-to-alls (partita/zero/quantized_comm.py).
+        quantized_gradient_bits=config.zero_quantized_gradients_bits if config.zero_quantized_gradients else None,
     )
     gatherer = None
     if policy.shard_parameters:
@@ -193,6 +195,9 @@ def apply_zero(
             offload_param=config.offload_param,
             aio=aio or AioConfig(),
             frozen=frozen,
+            # ZeRO++ qwZ: which parameters' unit gathers go as int8 blocks (partita/zero/quantized_comm.py).
+            quantize_weights="all" if config.zero_quantized_weights else (
+                "frozen" if config.zero_quantized_nontrainable_weights else "none"),
         )
         optimizer.param_store = gatherer
         # state_dict() of a module whose parameters are freed: placeholders instead of entries that

@@ -1,7 +1,7 @@
 """The ``zero_optimization`` section: which ZeRO stage to run and how to bucket its traffic.
 
 Keys, meanings and defaults follow DeepSpeed 0.19. Keys for features partita lacks
-(MiCS, ZeRO++, some ZeRO-3 tuning) are refused by the loader with an explanation
+(MiCS, ZeRO++'s hpZ, some ZeRO-3 tuning) are refused by the loader with an explanation
 (see ``partita.config.unsupported``) rather than listed here.
 """
 
@@ -138,6 +138,41 @@ class ZeroConfig(StrictSection):
         ),
     )
 
+    zero_quantized_weights: bool = Field(
+        False,
+        description=(
+            "ZeRO++ qwZ, ZeRO-3 only: the forward/backward all-gathers send every weight as int8 blocks of 256 "
+            "with an fp32 scale each (about half of bf16's bytes) and each rank dequantizes into the model dtype; "
+            "the fp32 master weights and the optimizer are untouched, only what crosses the wire is rounded. "
+            "Checkpoint, GatheredParameters and state-dict gathers stay exact. DeepSpeed default false."
+        ),
+    )
+    zero_quantized_nontrainable_weights: bool = Field(
+        False,
+        description=(
+            "ZeRO++, ZeRO-3 only: the same int8 all-gather for frozen weights only (requires_grad false, e.g. a "
+            "LoRA base); zero_quantized_weights covers frozen weights too. partita keeps the frozen shards in "
+            "their own dtype and quantizes on the wire (DeepSpeed also stores them quantized). DeepSpeed default "
+            "false."
+        ),
+    )
+    zero_quantized_gradients: bool = Field(
+        False,
+        description=(
+            "ZeRO++ qgZ, ZeRO-3 only: gradients are reduce-scattered through one all-to-all of block-quantized "
+            "chunks (zero_quantized_gradients_bits, fp32 scale per 256 elements), dequantized and summed in fp32 "
+            "by the rank that owns them. DeepSpeed default false."
+        ),
+    )
+    zero_quantized_gradients_bits: Literal[4, 8] = Field(
+        4,
+        description=(
+            "partita-only. Bits per gradient element with zero_quantized_gradients: 4 (DeepSpeed's qgZ format, "
+            "about a quarter of bf16's bytes) or 8 (about half, 16x smaller rounding error)."
+        ),
+        json_schema_extra=PARTITA_KEY,
+    )
+
     one_rank_free_weights: bool = Field(
         True,
         description=(
@@ -204,6 +239,22 @@ class ZeroConfig(StrictSection):
                 "offload_stage",
                 "offload_param needs ZeRO stage 3 (only stage 3 shards parameters); set "
                 "zero_optimization.stage to 3, or offload_param.device to \"none\"",
+            )
+        zeropp = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                              "zero_quantized_gradients") if getattr(self, k)]
+        if zeropp and self.stage != 3:
+            raise PydanticCustomError(
+                "zeropp_stage",
+                "{keys} (ZeRO++) work at ZeRO stage 3 only (they quantize its parameter all-gathers and gradient "
+                "reduce-scatters); set zero_optimization.stage to 3, or remove them",
+                {"keys": ", ".join(zeropp)},
+            )
+        if self.zero_quantized_gradients and not self.reduce_scatter:
+            raise PydanticCustomError(
+                "zeropp_reduce_scatter",
+                "zero_quantized_gradients replaces the gradient reduce-scatter with a quantized all-to-all, and "
+                "reduce_scatter false asks for an all-reduce instead; remove reduce_scatter false, or "
+                "zero_quantized_gradients",
             )
         if self.one_rank_gradient_fold in ("end", "stream") and self.offload_optimizer.enabled:
             raise PydanticCustomError(

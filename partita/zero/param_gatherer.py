@@ -38,6 +38,7 @@ before. A unit's backward always ends with its gradient hooks (frozen parameters
 inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer step, with new values.
 
 [Note: rank divergence]: partita/zero/unit_sync.py. [Note: holds] (whole until a hold ends): holds.py.
+ZeRO++ qwZ (zero_quantized_weights): units' gathers travel as int8 blocks, see partita/zero/quantized_comm.py.
 
 [Note: where shards live]
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
@@ -50,9 +51,7 @@ gathered with their units all the same (see partita/zero/frozen_params.py).
 
 from __future__ import annotations
 
-import enum
 import itertools
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -65,32 +64,15 @@ from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.eval_prefetch import EvalPrefetch
 from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
+from partita.zero.gather_state import InFlight, ParamState
 from partita.zero.holds import Holds
 from partita.zero.partition import ShardSpec
+from partita.zero.quantized_comm import start_quantized_all_gather
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
 from partita.zero.units import (GatherBeforeBackward, ReleaseAfterBackward, find_units, in_backward_pass, is_inside,
                                 through_function, unit_names)
-
-class ParamState(enum.Enum):
-    """SHARDED -> GATHERING (prefetch in flight) -> GATHERED -> SHARDED."""
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """An asynchronous all-gather started by prefetch, not yet unpacked."""
-
-    work: Any
-    gathered: torch.Tensor
-    params: list[nn.Parameter]
-    columns: list[int]
-    ready: Any  # the storage's side-stream event (None without one), see partita/offload/param_offload.py
-
 
 class ParameterGatherer:
     """Owns the sharded parameters of stage 3: their low-precision shards, gathering, freeing."""
@@ -109,8 +91,12 @@ class ParameterGatherer:
         offload_param: OffloadParamConfig | None = None,
         aio: AioConfig | None = None,
         frozen: FrozenShards | None = None,
+        quantize_weights: str = "none",
     ) -> None:
         self._groups = groups
+        # ZeRO++ qwZ: "all", "frozen" (nontrainable only) or "none"; the forward/backward gathers of those
+        # parameters go as int8 (partita/zero/quantized_comm.py). Gathers for users (holds, exports) stay exact.
+        self._quantize = quantize_weights
         self.frozen = frozen  # sharded parameters of no group (see partita/zero/frozen_params.py)
         self.prefetch_numel = prefetch_numel
         self._max_live_numel = max_live_numel
@@ -119,7 +105,7 @@ class ParameterGatherer:
         self._live_numel = 0
         self.peak_live_numel = 0  # its maximum since construction or reset_peak_live_numel()
         self.kept_count = 0  # unit ends that kept the unit whole for reuse (observability and tests)
-        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight: dict[int, InFlight] = {}
         self._in_flight_of: dict[nn.Parameter, int] = {}
         self._tickets = itertools.count()
         self.trace = UnitTrace()
@@ -389,7 +375,7 @@ class ParameterGatherer:
             and any(self._state[p] is ParamState.SHARDED for p in params)
         ):
             self._sync.exchange(GATHER, self._unit_index[unit], int(phase is Phase.BACKWARD))
-        self.gather(params)
+        self.gather(params, quantize=True)
 
     def _prefetch(self, upcoming: Sequence[nn.Module]) -> None:
         """Start all-gathers for the next units, up to ``prefetch_numel`` elements ahead and
@@ -406,7 +392,7 @@ class ParameterGatherer:
             if live + need > self._max_live_numel:
                 break
             if todo:
-                self._start_gathers(todo)
+                self._start_gathers(todo, quantize=True)
                 self.prefetch_count += 1
             live += need
             ahead += need
@@ -416,23 +402,23 @@ class ParameterGatherer:
 
     # ------------------------------------------------------------------ gather / release
     def gather_unit(self, unit: nn.Module) -> None:
-        self.gather(self._unit_params[unit])
+        self.gather(self._unit_params[unit], quantize=True)
 
     def release_unit(self, unit: nn.Module) -> None:
         self.release(self._unit_params[unit])
 
     @torch.no_grad()
-    def gather(self, params: Iterable[nn.Parameter]) -> None:
+    def gather(self, params: Iterable[nn.Parameter], *, quantize: bool = False) -> None:
         """Make every parameter in ``params`` whole: finish prefetches that cover some of
-        them, all-gather the rest with one collective."""
+        them, all-gather the rest with one collective (``quantize``: a unit's gather, int8 with qwZ)."""
         params = list(params)
         for ticket in sorted({self._in_flight_of[p] for p in params if p in self._in_flight_of}):
             self._finish_gather(ticket)
         todo = [p for p in params if self._state.get(p) is ParamState.SHARDED]
-        for ticket in self._start_gathers(todo):
+        for ticket in self._start_gathers(todo, quantize):
             self._finish_gather(ticket)
 
-    def _start_gathers(self, params: list[nn.Parameter]) -> list[int]:
+    def _start_gathers(self, params: list[nn.Parameter], quantize: bool = False) -> list[int]:
         """One all-gather per process group among ``params`` (their ZeRO groups' comms: expert
         parameters gather within their expert-data group), in first-parameter order, which is
         the same on every rank."""
@@ -441,10 +427,11 @@ class ParameterGatherer:
             where = self._where.get(param)
             comm = self.frozen.comm if where is None else self._groups[where[0]].comm
             dtype = self.frozen.shard(param).dtype if where is None else self._groups[where[0]].model_dtype
-            by_comm.setdefault((id(comm), dtype), (comm, []))[1].append(param)
-        return [self._start_gather(part, comm) for comm, part in by_comm.values()]
+            wire = quantize and (self._quantize == "all" or (self._quantize == "frozen" and not param.requires_grad))
+            by_comm.setdefault((id(comm), dtype, wire), (comm, []))[1].append(param)
+        return [self._start_gather(part, comm, key[2]) for key, (comm, part) in by_comm.items()]
 
-    def _start_gather(self, params: list[nn.Parameter], comm=None) -> int:
+    def _start_gather(self, params: list[nn.Parameter], comm=None, quantized: bool = False) -> int:
         # Trainable parameters' pieces first (from the storage), then frozen ones' (FrozenShards).
         params = [p for p in params if p in self._where] + [p for p in params if p not in self._where]
         pieces = [self._piece(p) for p in params if p in self._where]
@@ -458,10 +445,13 @@ class ParameterGatherer:
         # ordered without a host synchronisation (see partita/offload/param_offload.py).
         with storage.issue():
             local = fetch_pieces(storage, self.frozen, pieces, params[len(pieces):], column, self._device)
-            work = None
+            work = wire = None
             size, process_group = (self._world_size, self._process_group) if comm is None else (comm.size, comm.process_group)
             if size == 1:
                 gathered = local.view(1, -1)
+            elif quantized:
+                work, gathered, wire = start_quantized_all_gather(local, size=size, group=process_group,
+                                                                  purpose="ZeRO-3 parameter all-gather")
             else:
                 gathered = torch.empty((size, column), dtype=local.dtype, device=local.device)
                 work = collectives.all_gather_into_tensor(
@@ -470,7 +460,7 @@ class ParameterGatherer:
                 )
             ready = storage.issued()
         ticket = next(self._tickets)
-        self._in_flight[ticket] = _InFlight(work, gathered, params, columns, ready)
+        self._in_flight[ticket] = InFlight(work, gathered, params, columns, ready, wire)
         for param in params:
             self._in_flight_of[param] = ticket
         return ticket
@@ -479,10 +469,11 @@ class ParameterGatherer:
         flight = self._in_flight.pop(ticket)
         collectives.wait(flight.work, purpose="ZeRO-3 parameter all-gather")
         self.storage.arrived(flight.ready, flight.gathered)
+        gathered = flight.gathered if flight.quantized is None else flight.quantized.dequantize(flight.gathered)
         for param, col in zip(flight.params, flight.columns):
             del self._in_flight_of[param]
             allocate_param(param)
-            unpack_from_columns(flight.gathered, col, self._spec(param), param)
+            unpack_from_columns(gathered, col, self._spec(param), param)
             self._transition(param, ParamState.GATHERING, ParamState.GATHERED)
         return flight.params
 

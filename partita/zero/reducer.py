@@ -12,7 +12,8 @@ A rank can never deadlock the others by skipping a bucket.
 [Note: what each stage reduces]
 - stage 0 (``num_shards == 1``): ``all_reduce`` of the bucket; every rank keeps it all.
 - stages 1 and 2 (``num_shards == world``): ``reduce_scatter_tensor`` of the packed bucket;
-  each rank keeps its row (see :mod:`partita.zero.partition`).
+  each rank keeps its row (see :mod:`partita.zero.partition`). ZeRO++ qgZ (zero_quantized_gradients)
+  sends the rows quantized through one all-to-all instead (partita/zero/quantized_comm.py).
 
 [Note: one process group per ZeRO group]
 Each ZeRO group carries its own :class:`~partita.zero.shard_group.ShardComm` (default: the
@@ -46,6 +47,7 @@ from partita.distributed import collectives
 from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.shard_group import ShardComm, ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
+from partita.zero.quantized_comm import QuantizedReduceScatter, start_quantized_reduce_scatter
 
 
 # Launched buckets whose collective may still run while backward continues.
@@ -84,6 +86,7 @@ class _ReduceBucket:
     work: dist.Work | None = None
     output: torch.Tensor | None = None
     in_place_works: list = field(default_factory=list)  # in-place mode: one all-reduce per run
+    quantized: QuantizedReduceScatter | None = None  # ZeRO++ qgZ in flight: gives ``output`` once waited for
 
 
 def num_shards_of(groups: list[ShardedParamGroup]) -> int:
@@ -121,8 +124,11 @@ class GradientReducer:
         download_during_backward: bool = False,
         fold_at_end: bool = False,
         streamed: bool = False,
+        quantized_gradient_bits: int | None = None,
     ) -> None:
         self._groups = groups
+        # ZeRO++ qgZ: reduce-scatters go as an all-to-all of 4- or 8-bit blocks, summed in fp32 (quantized_comm.py).
+        self._quantized_bits = quantized_gradient_bits
         # One rank, offloaded groups: send each gradient to the host as backward makes it
         # instead of after backward (on one H200 with GPT-1.3B: backward 278 -> ~207 ms). It
         # once made the exact (non-delayed) step slower: its uploads then waited for staging
@@ -315,6 +321,8 @@ class GradientReducer:
         for work in bucket.in_place_works:
             collectives.wait(work, purpose=self._purpose(b))
         bucket.in_place_works = []
+        if bucket.quantized is not None:
+            bucket.output, bucket.quantized = bucket.quantized.reduce(), None
         scale = self._predivide / self._world_size
         for run in bucket.runs if bucket.output is not None else ():
             reduced = bucket.output[run.column : run.column + run.numel]
@@ -349,6 +357,9 @@ class GradientReducer:
             # zero_optimization.reduce_scatter=false: all-reduce everything, keep our row.
             bucket.work = collectives.all_reduce(packed, group=process_group, purpose=purpose, async_op=True)
             bucket.output = packed[0] if bucket.num_shards == 1 else packed[bucket.shard_rank]
+        elif self._quantized_bits is not None:
+            bucket.work, bucket.quantized = start_quantized_reduce_scatter(
+                packed, bits=self._quantized_bits, group=process_group, purpose=purpose)
         else:
             bucket.output = torch.empty(bucket.shard_numel, dtype=packed.dtype, device=packed.device)
             bucket.work = collectives.reduce_scatter_tensor(
