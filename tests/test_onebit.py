@@ -3,6 +3,8 @@ training close to Adam, refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -138,3 +140,78 @@ def test_onebit_adam_params_validated():
         load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 0}}})
     with pytest.raises(ConfigError, match="comm_backend_name"):
         load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "mpi"}}})
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+CKPT_AT, CKPT_END = WARM + 3, WARM + 6  # saved three steps into the compressed phase
+
+
+def _engine(stage: int = 2):
+    import partita
+
+    model = build_model()
+    cfg = {**_config("OneBitAdam", stage), "checkpoint": {"handshake_timeout_seconds": 20}}
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    return engine
+
+
+def _steps(engine, steps: range) -> None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = GLOBAL_BATCH // world
+    xs, ys = make_batches(CKPT_END, GLOBAL_BATCH)
+    for step in steps:
+        engine.backward(engine(xs[step][rank * micro : (rank + 1) * micro], ys[step][rank * micro : (rank + 1) * micro]))
+        engine.step()
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def save_continue_and_resume(root: str) -> dict:
+    engine = _engine()
+    _steps(engine, range(CKPT_AT))
+    errors = [e.clone() for e in engine.optimizer.inner.worker_errors]
+    assert all(e is not None and e.abs().sum() > 0 for e in errors)  # the error feedback is live
+    engine.save_checkpoint(root)
+    _steps(engine, range(CKPT_AT, CKPT_END))
+    straight = _weights(engine)
+    resumed = _engine()
+    resumed.load_checkpoint(root)
+    loaded = [e.clone() for e in resumed.optimizer.inner.worker_errors]
+    _steps(resumed, range(CKPT_AT, CKPT_END))
+    return {"straight": straight, "resumed": _weights(resumed),
+            "same_errors": all(torch.equal(a, b) for a, b in zip(errors, loaded))}
+
+
+def load_on_fewer_ranks(root: str) -> dict:
+    from partita.checkpoint.reshard import ShardReader
+    from partita.checkpoint.snapshot import param_names
+    from partita.optim.onebit_checkpoint import worker_error_entries, worker_error_key
+
+    engine = _engine(stage=1)
+    engine.load_checkpoint(root)
+    names = param_names(engine.module)
+    mine = dict(worker_error_entries(engine.optimizer.inner, names))
+    with ShardReader(Path(root) / f"global_step{CKPT_AT}") as reader:
+        mean = {k: sum(reader.tensor(f"rank{s:05d}.safetensors", k) for s in range(4)) / 4 for k in mine}
+    _steps(engine, range(CKPT_AT, CKPT_END))
+    finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+    return {"mean_errors": all(torch.allclose(mine[k], mean[k], rtol=0, atol=1e-7) for k in mine),
+            "keys": sorted(mine) == sorted(worker_error_key(names[p]) for g in engine.optimizer.groups for p in g.params),
+            "finite": finite}
+
+
+def test_checkpoint_resume_keeps_error_feedback_and_reshards(tmp_path):
+    root = str(tmp_path / "ckpt")
+    first = run_distributed(save_continue_and_resume, 4, root)
+    for rank_result in first:
+        for name, value in rank_result["straight"].items():
+            assert torch.equal(value, rank_result["resumed"][name]), name
+        assert rank_result["same_errors"]
+    second = run_distributed(load_on_fewer_ranks, 2, root)
+    for rank_result in second:
+        assert rank_result["mean_errors"] and rank_result["keys"] and rank_result["finite"]

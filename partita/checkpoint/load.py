@@ -395,6 +395,9 @@ def _load_optimizer_state(engine: Engine, reader: ShardReader, meta: dict[str, A
             hyper[key] = current["param_groups"][g][key]
         new_groups.append({**hyper, "params": [index]})
     inner.load_state_dict({"state": new_state, "param_groups": new_groups})
+    own_entries = getattr(inner, "load_checkpoint_entries", None)
+    if own_entries is not None:  # the 1-bit optimizers' worker errors (partita/optim/onebit_checkpoint.py)
+        own_entries(reader, meta, names, fmt.rank_file)
     engine.optimizer.release_states(loaded=True)  # NVMe optimizer offload: into the swap files
 
 

@@ -211,6 +211,10 @@ def rank_file_plan(engine: Engine, names: dict[torch.nn.Parameter, str], *, copy
             if kinds.local:
                 # Unknown state may involve the padding elements; keep the whole partition.
                 entries.append(TensorEntry.of(fmt.local_state_key(g, LOCAL_MASTER), _own(group.master, copy)))
+    # Per-rank state an optimizer saves itself: the 1-bit optimizers' worker errors (partita/optim/onebit_checkpoint.py).
+    own_entries = getattr(inner, "checkpoint_entries", None)
+    if own_entries is not None:
+        entries += [TensorEntry.of(key, _own(value, copy)) for key, value in own_entries(names)]
     entries += frozen_entries(engine, names, copy=copy)  # ZeRO-3's sharded frozen parameters
     return FilePlan(fmt.rank_file(rank), entries, {fmt.RNG_METADATA_KEY: rng_metadata(rng_json)})
 

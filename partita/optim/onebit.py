@@ -34,6 +34,7 @@ import torch
 
 from partita.config.base import ConfigError
 from partita.distributed import collectives
+from partita.optim.onebit_checkpoint import load_worker_errors, worker_error_entries
 from partita.optim.onebit_comm import compressed_exchange
 from partita.zero.shard_group import pack_into_columns
 from partita.zero.unused_params import restore_unused, save_unused
@@ -56,7 +57,7 @@ class OneBitAdam(torch.optim.AdamW):
         self._reducer = None
         # Per group: the synchronised momentum and this rank's worker error, (world, partition).
         self._momentum: list[torch.Tensor | None] = []
-        self._worker_error: list[torch.Tensor | None] = []
+        self.worker_errors: list[torch.Tensor | None] = []
         self._masks: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ wiring
@@ -77,7 +78,7 @@ class OneBitAdam(torch.optim.AdamW):
             )
         self._sharded = sharded
         self._momentum = [None] * len(sharded.groups)
-        self._worker_error = [None] * len(sharded.groups)
+        self.worker_errors = [None] * len(sharded.groups)
         self._masks = [_real_mask(g) for g in sharded.groups]
 
     def _bind_reducer(self) -> None:
@@ -116,8 +117,21 @@ class OneBitAdam(torch.optim.AdamW):
         self._bind_reducer()
         # The synchronised momentum is rebuilt from the loaded exp_avg partitions at the next step.
         self._momentum = [None] * len(self._momentum)
-        # The worker error is this rank's own and is not in the checkpoint: it restarts at zero.
-        self._worker_error = [None] * len(self._worker_error)
+        # The worker errors come back through load_checkpoint_entries (partita checkpoints) or restart at zero.
+        self.worker_errors = [None] * len(self.worker_errors)
+
+    @property
+    def zero_groups(self) -> list:
+        """The ZeRO groups whose masters this optimizer steps (in its param-group order)."""
+        return self._sharded.groups
+
+    def checkpoint_entries(self, names: dict) -> list[tuple[str, torch.Tensor]]:
+        """Extra tensors of this rank's checkpoint file: the worker errors (partita/optim/onebit_checkpoint.py)."""
+        return worker_error_entries(self, names)
+
+    def load_checkpoint_entries(self, reader: Any, meta: dict, names: dict, rank_file: Any) -> None:
+        """After ``load_state_dict`` from a partita checkpoint: the worker errors back (or their mean)."""
+        load_worker_errors(self, reader, meta, names, rank_file)
 
     # ------------------------------------------------------------------ compressed phase
     @torch.no_grad()
@@ -175,12 +189,12 @@ class OneBitAdam(torch.optim.AdamW):
             collectives.all_gather_into_tensor(momentum.view(-1), state["exp_avg"], group=process_group,
                                                purpose=f"{_PURPOSE}: momentum rebuild")
             self._momentum[g] = momentum
-        if self._worker_error[g] is None:
-            self._worker_error[g] = torch.zeros_like(grad)
+        if self.worker_errors[g] is None:
+            self.worker_errors[g] = torch.zeros_like(grad)
         if "server_error" not in state:
             state["server_error"] = torch.zeros_like(master)
         estimate = self._momentum[g].mul_(beta1).add_(grad, alpha=1 - beta1)
-        synced = compressed_exchange(estimate, self._worker_error[g], state["server_error"], mask,
+        synced = compressed_exchange(estimate, self.worker_errors[g], state["server_error"], mask,
                                      rank=rank, group=process_group, purpose=_PURPOSE)
         self._momentum[g] = synced
         state["exp_avg"].copy_(synced[rank])
