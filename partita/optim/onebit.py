@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 __all__ = ["OneBitAdam"]
 
 _PURPOSE = "1-bit Adam momentum exchange"
+_STAGES = (
+    "optimizer type 'OneBitAdam' runs with zero_optimization.stage 1 or 2 over two or more data-parallel ranks "
+    "(its compressed exchange replaces the gradient reduce-scatter of the ZeRO partitions; stage 0 and 3 are not "
+    "built); set zero_optimization.stage to 1 or 2, or use type \"AdamW\""
+)
 
 
 class OneBitAdam(torch.optim.AdamW):
@@ -64,12 +69,8 @@ class OneBitAdam(torch.optim.AdamW):
     def attach_zero(self, sharded: ShardedOptimizer) -> None:
         """Called by the sharded optimizer that owns this optimizer (partita/zero/sharded_optimizer.py)."""
         stages = {g.layout.num_shards for g in sharded.groups}
-        if stages != {sharded._world_size} or sharded.param_store is not None or sharded._world_size < 2:
-            raise ConfigError(
-                "optimizer type 'OneBitAdam' runs with zero_optimization.stage 1 or 2 over two or more "
-                "data-parallel ranks (its compressed exchange replaces the gradient reduce-scatter of the "
-                "ZeRO partitions); use stage 1 or 2, or type \"AdamW\""
-            )
+        if stages != {sharded._world_size} or sharded._world_size < 2:
+            raise ConfigError(_STAGES)
         if any(g.offloaded for g in sharded.groups) or any(g.comm is not None and g.comm.size != sharded._world_size
                                                             for g in sharded.groups):
             raise ConfigError(
@@ -87,6 +88,9 @@ class OneBitAdam(torch.optim.AdamW):
         from partita.zero.gathered import owner_of
 
         state = owner_of(self._sharded.groups[0].params[0])
+        if state.policy.shard_parameters:
+            # Found here, at the first step: the sharded optimizer is built before ZeRO-3's gatherer.
+            raise ConfigError(_STAGES)
         self._reducer = state.reducer
         if self._reducer._accumulate_in_fp32:
             raise ConfigError(
