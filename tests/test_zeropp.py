@@ -86,7 +86,7 @@ def _train(cfg: dict, *, frozen_first: bool = False, steps: range = range(STEPS)
     for step in steps:
         total = 0.0
         for m in range(2):
-            lo = (m * WORLD + rank) * micro
+            lo = (m * dist.get_world_size() + rank) * micro
             loss = engine(xs[step][lo: lo + micro], ys[step][lo: lo + micro])
             engine.backward(loss)
             engine.step()
@@ -98,7 +98,17 @@ def _train(cfg: dict, *, frozen_first: bool = False, steps: range = range(STEPS)
     for record in COMMS_LOGGER.records():
         key = f"{record.op}: {record.purpose.split(' (')[0]}"
         by_purpose[key] = by_purpose.get(key, 0) + record.message_bytes
-    return {"losses": losses, "bytes": by_purpose}
+    # A gather asked for outside a unit (what GatheredParameters and the exports do) is exact: the
+    # bf16 cast of the fp32 master, not its int8 rounding.
+    from partita.zero.gathered import iter_fp32_master
+
+    gatherer = engine.zero.gatherer
+    masters = {p: full.clone() for p, full in iter_fp32_master(engine.zero) if gatherer.is_sharded_param(p)}
+    gatherer.gather(list(masters))
+    exact = all(torch.equal(p.detach(), full.to(p.dtype)) for p, full in masters.items())
+    gatherer.release(list(masters))
+    return {"losses": losses, "bytes": by_purpose, "prefetches": gatherer.prefetch_count, "exact": exact,
+            "checked": len(masters)}
 
 
 def _all_cases(save_dir: str) -> dict:
@@ -114,6 +124,11 @@ def _all_cases(save_dir: str) -> dict:
     out["both"] = _train(both, save=f"{save_dir}/ckpt")
     out["resumed"] = _train(both, steps=range(3, STEPS), load=f"{save_dir}/ckpt")
     return out
+
+
+def _eight_ranks() -> dict:
+    both = _config(zero_quantized_weights=True, zero_quantized_gradients=True)
+    return {"plain": _train(_config(), steps=range(2)), "both": _train(both, steps=range(2))}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +190,17 @@ def test_quantized_weight_all_gather_moves_at_most_051x_of_bf16(runs) -> None:
         assert plain[GATHER] > 0 and GATHER not in qwz
         assert qwz[QGATHER] <= 0.51 * plain[GATHER], (qwz[QGATHER], plain[GATHER])
         assert qwz[REDUCE] == plain[REDUCE]  # gradients untouched by qwZ
+        assert rank["qwz"]["prefetches"] == rank["plain"]["prefetches"] > 0  # prefetch still runs ahead
+
+
+def test_eight_ranks_bytes_and_losses() -> None:
+    # 8 ranks: one sample per rank per micro-batch, each rank's shard half as wide as at 4.
+    for rank in run_distributed(_eight_ranks, 8):
+        plain, both = rank["plain"]["bytes"], rank["both"]["bytes"]
+        assert both[QGATHER] <= 0.51 * plain[GATHER]
+        assert both["all_to_all_single: int4 gradient reduction"] <= 0.27 * plain[REDUCE]
+        gaps = [abs(a - b) for a, b in zip(rank["both"]["losses"], rank["plain"]["losses"])]
+        assert max(gaps) <= 0.02 * rank["plain"]["losses"][0]
 
 
 @pytest.mark.parametrize(("case", "bound"), [("qgz4", 0.27), ("qgz8", 0.51)])
@@ -216,6 +242,12 @@ def test_training_tracks_plain_zero3(runs) -> None:
     for case in ("qwz", "qgz4", "qgz8", "frozen_q"):  # the wire really was rounded
         base = "frozen_plain" if case == "frozen_q" else "plain"
         assert runs[0][case]["losses"] != runs[0][base]["losses"], case
+
+
+def test_gathers_outside_units_stay_exact(runs) -> None:
+    for rank in runs:
+        for case in ("plain", "qwz", "both"):
+            assert rank[case]["checked"] == 6 and rank[case]["exact"], case  # the blocks' six weights
 
 
 def test_resume_from_checkpoint_continues_the_uninterrupted_run(runs) -> None:
