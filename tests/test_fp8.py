@@ -87,6 +87,7 @@ def test_auto_filter_uses_torchaos_size_rules_per_recipe() -> None:
             "mid": nn.Linear(2048, 4096),  # rowwise: N <= 4096 with K <= 2048 -> skipped
             "odd": nn.Linear(4104, 4100),  # not multiples of 16 -> skipped by both
         })
+    assert fp8_config(filter="auto").fp8 == fp8_config().fp8  # "auto" written out is the default
     tensorwise, skipped = select_fp8_linears(model, fp8_config().fp8)
     assert [n for n, _ in tensorwise] == ["wide", "square", "mid"]
     assert sorted(skipped) == ["odd", "small"]

@@ -9,7 +9,7 @@ compute precision (``bf16``/fp32). :func:`partita.precision.fp8.apply_fp8` reads
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -24,6 +24,10 @@ _FP8_OPTIONS = ("recipe", "filter", "keep_first_last_bf16", "emulate")
 
 class FP8Config(StrictSection):
     """Run the model's linear layers' matmuls in FP8 (torchao float8 training)."""
+
+    # "auto" is filter's own value (torchao's auto-filter), which is also its default: declared here so the
+    # loader does not take it for the Hugging Face Trainer's placeholder.
+    auto_fields: ClassVar[frozenset[str]] = frozenset({"filter"})
 
     enabled: bool = Field(
         False,
