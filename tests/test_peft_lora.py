@@ -144,6 +144,29 @@ def _run_whole_adapters(save_dir: str) -> dict:
     return {"threshold": threshold, "adapters": peft_support.adapter_state_dict(engine), "whole": whole}
 
 
+def _run_bf16_merge() -> dict:
+    """bf16 at ZeRO-3: the fp32 merge from the masters, and the masters to check it against."""
+    import torch.distributed as dist
+
+    import partita
+    from partita.integrations import peft_support
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = peft_support.get_peft_model(_llama(), _lora())
+    config = {**_config(3), "bf16": {"enabled": True}}
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                         config=config)
+    xs = _batches()
+    for step in range(STEPS):
+        micro = xs[step][rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+    return {"fp32": engine.get_fp32_state_dict(), "merged_fp32": peft_support.merged_state_dict(engine, fp32=True),
+            "merged": peft_support.merged_state_dict(engine)}
+
+
 def _load_4bit(base_dir: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -182,6 +205,7 @@ def _body(save_dir: str, base_dir: str) -> dict:
     init_distributed()
     out = {name: _run(name, stage, use_init, save_dir) for name, stage, use_init in RUNS}
     out["whole"] = _run_whole_adapters(save_dir)
+    out["bf16"] = _run_bf16_merge()
     out["qlora"] = _run_qlora(base_dir, save_dir)
     out["refusals"] = _refusals()
     return out
@@ -472,3 +496,19 @@ def test_whole_adapters_threshold_makes_peft_save_pretrained_whole(world2) -> No
     torch.manual_seed(0)
     loaded = get_peft_model_state_dict(PeftModel.from_pretrained(_llama(), str(save_dir / "whole-bare")))
     assert all(torch.equal(loaded[k], v) for k, v in run["adapters"].items())
+
+
+def test_fp32_merge_of_a_bf16_engine_equals_the_fp32_unsharded_merge(world2) -> None:
+    import peft
+
+    run = world2[1][0]["bf16"]
+    assert world2[1][1]["bf16"]["merged_fp32"] == {}
+    torch.manual_seed(0)
+    unsharded = peft.get_peft_model(_llama(), _lora())  # fp32, loaded with the engine's fp32 weights (masters)
+    unsharded.load_state_dict({k: run["fp32"][k] for k in unsharded.state_dict()})  # (it also lists non-persistent buffers)
+    want = unsharded.merge_and_unload().state_dict()
+    assert sorted(run["merged_fp32"]) == sorted(want) == sorted(run["merged"])
+    for key, value in want.items():
+        assert run["merged_fp32"][key].dtype == torch.float32 and torch.equal(run["merged_fp32"][key], value), key
+        assert run["merged"][key].dtype == torch.bfloat16, key
+        assert _rel(run["merged"][key], value) < 1e-2, key  # the bf16 merge: within bf16's rounding

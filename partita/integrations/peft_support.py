@@ -250,16 +250,23 @@ def gathered_adapters(model_or_engine: Any, *, save_embedding_layers: Any = "aut
 
 
 # ------------------------------------------------------------------------------ merging
-def merged_state_dict(model_or_engine: Any, *, adapter_names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def merged_state_dict(model_or_engine: Any, *, adapter_names: list[str] | None = None,
+                      fp32: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of ``model.merge_and_unload(adapter_names=...)`` of the unsharded model,
-    as whole CPU tensors in the model's dtype on rank 0 (``{}`` on the others); the engine's model
-    is left as it was. Keys are the base model's own (``from_pretrained`` of the base class loads
-    them). Every rank must call it.
+    as whole CPU tensors on rank 0 (``{}`` on the others); the engine's model is left as it was.
+    Keys are the base model's own (``from_pretrained`` of the base class loads them). Every rank
+    must call it.
 
     Each adapted layer is gathered alone, merged with peft's own ``merge`` (so every LoRA variant
     peft merges is covered, with peft's arithmetic: equal to the unsharded merge), read, and
     restored bit for bit; ``modules_to_save`` contribute their trained copy, as
     ``merge_and_unload`` keeps it. Rank 0 holds the merged model in host memory at the end.
+
+    Args:
+        fp32: merge in fp32: the trained parameters (adapters, modules_to_save) take the engine's
+            fp32 master values, every other tensor its model-dtype value cast to fp32; the result
+            is the fp32 unsharded merge (peft's ``merge_and_unload`` of an fp32 copy holding the
+            masters). Default: the model's dtype and its own values, as peft merges them.
 
     Raises:
         ConfigError: a quantized (bitsandbytes) base: merge into an unquantized copy of the base.
@@ -275,24 +282,54 @@ def merged_state_dict(model_or_engine: Any, *, adapter_names: list[str] | None =
             "adapters' precision; save the adapters (save_adapters) and merge them into the unquantized base: "
             "PeftModel.from_pretrained(base_in_bf16, dir).merge_and_unload()"
         )
+    masters = _fp32_masters(engine) if fp32 else None
     out: dict[str, torch.Tensor] = {}
-    _merge_walk(model.get_base_model(), "", out, adapter_names, BaseTunerLayer)
+    _merge_walk(model.get_base_model(), "", out, _Merge(adapter_names, masters, BaseTunerLayer))
     return out if _writer() else {}
 
 
-def _merge_walk(module: nn.Module, prefix: str, out: dict, adapter_names: list[str] | None, tuner_layer: type) -> None:
+class _Merge:
+    """What one merge walk needs: the adapters to merge, the fp32 values (None: model dtype; else
+    ``id(param) -> fp32 master`` of the trained parameters, on rank 0), peft's tuner layer class."""
+
+    def __init__(self, adapter_names: list[str] | None, masters: dict[int, torch.Tensor] | None,
+                 tuner_layer: type) -> None:
+        self.adapter_names = adapter_names
+        self.masters = masters
+        self.tuner_layer = tuner_layer
+
+    def fp32_value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of a whole tensor (its master for a trained parameter), on its device."""
+        master = self.masters.get(id(tensor))
+        if master is not None:
+            return master.to(tensor.device, copy=True)
+        return tensor.detach().to(torch.float32, copy=True) if tensor.is_floating_point() else tensor.detach()
+
+
+def _fp32_masters(engine: Any) -> dict[int, torch.Tensor]:
+    """``id(param) -> whole fp32 master`` (CPU, rank 0 only) of every parameter the engine trains:
+    the adapters and modules_to_save copies, never the base. One all-gather per parameter."""
+    if engine is None or getattr(engine, "zero", None) is None:
+        return {}  # no engine: the model's own values are the truth
+    from partita.zero.gathered import iter_fp32_master
+
+    writer = _writer()
+    return {id(param): full.to("cpu", copy=True) for param, full in iter_fp32_master(engine.zero) if writer}
+
+
+def _merge_walk(module: nn.Module, prefix: str, out: dict, merge: _Merge) -> None:
     """The merged model's state dict, module by module, in ``state_dict`` order: an adapted layer
     becomes its merged base layer, a modules_to_save wrapper its active copy (merge_and_unload's
     replacements), everything else itself."""
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-    if isinstance(module, tuner_layer):
-        _merge_layer(module, prefix, out, adapter_names)
+    if isinstance(module, merge.tuner_layer):
+        _merge_layer(module, prefix, out, merge)
         return
     if isinstance(module, ModulesToSaveWrapper):
         active = module.active_adapters[0] if module.active_adapters else None
         target = module.modules_to_save[active] if active in module.modules_to_save else module.original_module
-        _merge_walk(target, prefix, out, adapter_names, tuner_layer)
+        _merge_walk(target, prefix, out, merge)
         return
     if isinstance(module, AuxiliaryTrainingWrapper):
         raise NotImplementedError(
@@ -303,45 +340,64 @@ def _merge_walk(module: nn.Module, prefix: str, out: dict, adapter_names: list[s
     own = {name: t for name, t in module._parameters.items() if t is not None}
     own.update({name: t for name, t in module._buffers.items()
                 if t is not None and name not in module._non_persistent_buffers_set})
-    out.update({prefix + k: v for k, v in _gather_to_cpu(own).items()})
+    if merge.masters is None:
+        out.update({prefix + k: v for k, v in _gather_to_cpu(own).items()})
+    else:
+        for name, tensor in own.items():
+            with GatheredParameters([tensor]):
+                if _writer():
+                    out[prefix + name] = merge.fp32_value(tensor).cpu().contiguous()
     for name, child in module._modules.items():
         if child is not None:
-            _merge_walk(child, f"{prefix}{name}.", out, adapter_names, tuner_layer)
+            _merge_walk(child, f"{prefix}{name}.", out, merge)
 
 
 @torch.no_grad()
-def _merge_layer(layer: Any, prefix: str, out: dict, adapter_names: list[str] | None) -> None:
+def _merge_layer(layer: Any, prefix: str, out: dict, merge: _Merge) -> None:
     """One adapted layer: gathered, merged in place by peft, its base layer's state read (rank 0),
-    then every base tensor given back its own storage and values, and peft's merge record."""
+    then every tensor given back its own storage and values, and peft's merge record.
+
+    In fp32 every tensor of the layer computes on an fp32 copy (``.data`` swapped for the merge):
+    the live tensors are only read."""
     base = layer.get_base_layer()
     entries = base.state_dict(keep_vars=True)  # the live tensors of the merged layer's keys
-    with GatheredParameters(list(layer.parameters()) + list(layer.buffers())):
-        kept = [(t, t.data, t.detach().clone()) for t in entries.values()]
+    tensors = list(layer.parameters()) + list(layer.buffers())
+    with GatheredParameters(tensors):
+        if merge.masters is not None and not _writer():
+            return  # the fp32 merge is rank 0's alone; the others only took part in the gathers
+        swapped = tensors if merge.masters is not None else list(entries.values())
+        # (tensor, its own .data, what to put back into it: None when it computed on a copy)
+        kept = [(t, t.data, None if merge.masters is not None else t.detach().clone()) for t in swapped]
         merged_before = list(layer.merged_adapters)
         try:
+            if merge.masters is not None:
+                for tensor in swapped:
+                    tensor.data = merge.fp32_value(tensor)
             # safe_merge=False: peft's in-place path (merge_and_unload's default arithmetic).
-            layer.merge(safe_merge=False, adapter_names=adapter_names)
+            layer.merge(safe_merge=False, adapter_names=merge.adapter_names)
             if _writer():
                 out.update({prefix + k: t.detach().to("cpu", copy=True).contiguous() for k, t in entries.items()})
         finally:
             for tensor, data, values in kept:
-                if tensor.data is not data:  # a variant that assigned .data: the parameter's own storage back
+                if tensor.data is not data:  # a copy, or a variant that assigned .data: its own storage back
                     tensor.data = data
-                tensor.data.copy_(values)
+                if values is not None:
+                    tensor.data.copy_(values)
             layer.merged_adapters = merged_before
 
 
 def save_merged_model(model_or_engine: Any, save_directory: str | os.PathLike, *,
-                      adapter_names: list[str] | None = None, **kwargs: Any) -> None:
+                      adapter_names: list[str] | None = None, fp32: bool = False, **kwargs: Any) -> None:
     """``merge_and_unload().save_pretrained(save_directory)`` of the unsharded model: rank 0 writes
-    the base model's format (config included) with :func:`merged_state_dict`'s weights, which
+    the base model's format (config included) with :func:`merged_state_dict`'s weights (``fp32``:
+    its fp32 merge), which
     ``from_pretrained`` of the base class loads. Every rank must call it; ``**kwargs`` go to the
     base model's ``save_pretrained`` (``state_dict`` and ``is_main_process`` are set here)."""
     for key in ("state_dict", "is_main_process"):
         if key in kwargs:
             raise ValueError(f"save_merged_model sets {key}= itself (the merged weights, rank 0 writes); drop {key}=")
     model, _ = _peft_model_of(model_or_engine, "save_merged_model")
-    state = merged_state_dict(model_or_engine, adapter_names=adapter_names)
+    state = merged_state_dict(model_or_engine, adapter_names=adapter_names, fp32=fp32)
     if _writer():
         model.get_base_model().save_pretrained(save_directory, state_dict=state, **kwargs)
     if dist.is_initialized():
