@@ -194,7 +194,7 @@ def _sqnr(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float(20 * torch.log10(ref.norm() / (ours - ref).norm()))
 
 
-def _check_sqnr(recipe: str, emulate: bool, device: torch.device) -> None:
+def _check_sqnr(recipe: str, emulate: bool, device: torch.device, compiled: bool = False) -> None:
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(device, torch.bfloat16)
     ours = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(device, torch.bfloat16)
@@ -202,6 +202,9 @@ def _check_sqnr(recipe: str, emulate: bool, device: torch.device) -> None:
     cfg = load_config({"train_batch_size": 1, "bf16": {"enabled": True}, "compile": {"enabled": True},
                        "fp8": {"enabled": True, "recipe": recipe, "filter": ["*"], "emulate": emulate}})
     assert apply_fp8(ours, cfg, ONE_RANK, device=device) == ["0", "2"]
+    if compiled:  # the forward only: the hooks below stay eager (inductor fuses torchao's casts)
+        for index in (0, 2):
+            ours[index].forward = torch.compile(ours[index].forward)
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     outputs = {}
     for name, model in (("ref", ref), ("ours", ours)):
@@ -228,9 +231,10 @@ def _has_fp8_kernels() -> bool:
 
 
 @pytest.mark.skipif(not _has_fp8_kernels(), reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_sqnr_against_bf16_on_fp8_hardware(recipe: str) -> None:
-    _check_sqnr(recipe, emulate=False, device=torch.device("cuda"))
+def test_sqnr_against_bf16_on_fp8_hardware(recipe: str, compiled: bool) -> None:
+    _check_sqnr(recipe, emulate=False, device=torch.device("cuda"), compiled=compiled)
 
 
 def test_checkpoint_recompute_equals_the_forward_exactly() -> None:
