@@ -51,6 +51,26 @@ def _config(stage: int) -> dict:
     }
 
 
+def _initialize(model, config: dict):
+    import partita
+
+    engine, _, _, _ = partita.initialize(model=model, config=config,
+                                         model_parameters=[p for p in model.parameters() if p.requires_grad])
+    return engine
+
+
+def _train(engine) -> None:
+    """STEPS steps, each rank on its half of the global batch."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for batch in _batches():
+        micro = batch[rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=micro, labels=micro).loss
+        engine.backward(loss)
+        engine.step()
+
+
 def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
     import torch.distributed as dist
 
@@ -66,7 +86,7 @@ def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
         base = _llama()
     model = peft_support.get_peft_model(base, _lora())
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    engine, _, _, _ = partita.initialize(model=model, model_parameters=list(trainable.values()), config=_config(stage))
+    engine = _initialize(model, _config(stage))
     names = {id(p): n for n, p in model.named_parameters()}
     groups = engine.zero.optimizer.groups
     out = {
@@ -80,12 +100,7 @@ def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         out["base_sharded"] = [engine.zero.gatherer.is_sharded_param(p) for _, p in frozen]
         out["base_with_storage"] = [n for n, p in frozen if p.untyped_storage().nbytes() > 0]
-    xs = _batches()
-    for step in range(STEPS):
-        micro = xs[step][rank * 2 : rank * 2 + 2]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
+    _train(engine)
     out["state_numel"] = sum(s["exp_avg"].numel() for s in engine.zero.optimizer.inner.state.values())
     out["adapters"] = peft_support.adapter_state_dict(engine)
     peft_support.save_adapters(model, f"{save_dir}/{name}", engine=engine)
@@ -103,7 +118,7 @@ def _run(name: str, stage: int, use_init: bool, save_dir: str) -> dict:
             gathered.save_pretrained(f"{save_dir}/{name}-peft", is_main_process=rank == 0)
         dist.barrier()
     # Training goes on after the saves and merges (nothing was left gathered or changed).
-    micro = xs[0][rank * 2 : rank * 2 + 2]
+    micro = _batches()[0][rank * 2 : rank * 2 + 2]
     loss = engine(input_ids=micro, labels=micro).loss
     engine.backward(loss)
     engine.step()
@@ -119,7 +134,6 @@ def _run_whole_adapters(save_dir: str) -> dict:
     import torch.distributed as dist
     from peft import LoraConfig
 
-    import partita
     from partita.integrations import peft_support
 
     rank = dist.get_rank()
@@ -128,14 +142,8 @@ def _run_whole_adapters(save_dir: str) -> dict:
     config = _config(3)
     threshold = peft_support.whole_adapters_threshold(model)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
-    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                         config=config)
-    xs = _batches()
-    for step in range(STEPS):
-        micro = xs[step][rank * 2 : rank * 2 + 2]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
+    engine = _initialize(model, config)
+    _train(engine)
     if rank == 0:
         model.save_pretrained(f"{save_dir}/whole-bare")  # one rank, no gather
     dist.barrier()
@@ -146,23 +154,13 @@ def _run_whole_adapters(save_dir: str) -> dict:
 
 def _run_bf16_merge() -> dict:
     """bf16 at ZeRO-3: the fp32 merge from the masters, and the masters to check it against."""
-    import torch.distributed as dist
-
-    import partita
     from partita.integrations import peft_support
 
-    rank = dist.get_rank()
     torch.manual_seed(0)
     model = peft_support.get_peft_model(_llama(), _lora())
     config = {**_config(3), "bf16": {"enabled": True}}
-    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                         config=config)
-    xs = _batches()
-    for step in range(STEPS):
-        micro = xs[step][rank * 2 : rank * 2 + 2]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
+    engine = _initialize(model, config)
+    _train(engine)
     return {"fp32": engine.get_fp32_state_dict(), "merged_fp32": peft_support.merged_state_dict(engine, fp32=True),
             "merged": peft_support.merged_state_dict(engine)}
 
@@ -176,24 +174,14 @@ def _load_4bit(base_dir: str):
 
 def _run_qlora(base_dir: str, save_dir: str) -> dict:
     """QLoRA at ZeRO-3: a bitsandbytes 4-bit base (bitsandbytes runs 4-bit on the CPU)."""
-    import torch.distributed as dist
-
-    import partita
     from partita.integrations import peft_support
 
-    rank = dist.get_rank()
     base = _load_4bit(base_dir)
     torch.manual_seed(0)
     model = peft_support.get_peft_model(base, _lora())  # checks the device for 4-bit kernels
-    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                         config=_config(3))
-    packed = [p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"]
-    xs = _batches()
-    for step in range(STEPS):
-        micro = xs[step][rank * 2 : rank * 2 + 2]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
+    engine = _initialize(model, _config(3))
+    packed = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    _train(engine)
     peft_support.save_adapters(engine, f"{save_dir}/qlora")
     return {"adapters": peft_support.adapter_state_dict(engine), "packed": len(packed),
             "packed_whole": all(p.untyped_storage().nbytes() > 0 for p in packed)}
@@ -431,28 +419,20 @@ def test_qlora_at_zero3_trains_like_single_process_peft(world2) -> None:
 
 def _dora_body(save_dir: str) -> dict:
     """DoRA on a base built under zero.Init: peft reads each base weight's norm while it builds the
-    adapters (its own ZeRO-3 gather, served by partita). Its own launch: a process builds one
-    model under zero.Init here, as in ``_body``."""
-    import torch.distributed as dist
-
+    adapters (its own ZeRO-3 gather, served by partita). Its own launch: a transformers model built
+    in a second zero.Init context of a process lacks its kernels' state (reported to the lead), and
+    ``_body`` builds one already."""
     import partita
     from partita.distributed.init import init_distributed
     from partita.integrations import peft_support
 
     init_distributed()
-    rank = dist.get_rank()
     torch.manual_seed(0)
     with partita.zero.Init(config_dict_or_path=_config(3)):
         base = _llama()
     model = peft_support.get_peft_model(base, _lora(use_dora=True))
-    engine, _, _, _ = partita.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                         config=_config(3))
-    xs = _batches()
-    for step in range(STEPS):
-        micro = xs[step][rank * 2 : rank * 2 + 2]
-        loss = engine(input_ids=micro, labels=micro).loss
-        engine.backward(loss)
-        engine.step()
+    engine = _initialize(model, _config(3))
+    _train(engine)
     peft_support.save_adapters(engine, f"{save_dir}/dora")
     return {"adapters": peft_support.adapter_state_dict(engine), "merged": peft_support.merged_state_dict(engine)}
 
