@@ -158,8 +158,14 @@ def test_onebit_adam_params_validated():
     assert cfg.optimizer.type == "OneBitAdam" and cfg.optimizer.params.freeze_step == 5
     with pytest.raises(ConfigError, match="freeze_step"):
         load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 0}}})
-    with pytest.raises(ConfigError, match="comm_backend_name"):
+    with pytest.raises(ConfigError, match="comm_backend_name 'mpi': partita compresses through torch.distributed"):
         load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "mpi"}}})
+    with pytest.raises(ConfigError, match="amsgrad=true is not supported by OneBitAdam"):
+        load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {"amsgrad": True}}})
+    # DeepSpeed's own example keys load as they are.
+    deepspeed = {"lr": 4e-4, "freeze_step": 23000, "cuda_aware": False, "comm_backend_name": "nccl",
+                 "weight_decay": 0.01, "bias_correction": True}
+    assert load_config({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": deepspeed}}).optimizer
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -228,15 +228,31 @@ class OneBitAdamParams(_OptimizerParams):
     weight_decay: NonNegFloat = 0.0
     freeze_step: PosInt = 100000
     bias_correction: bool = True
+    eps_inside_sqrt: bool = False
+    amsgrad: bool = False
     cuda_aware: bool = False
-    comm_backend_name: Literal["nccl", "gloo", "compressed"] = "nccl"
+    comm_backend_name: str = "nccl"
 
-    @field_validator("bias_correction")
+    @field_validator("bias_correction", "eps_inside_sqrt", "amsgrad")
     @classmethod
-    def _corrected(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("bias_correction=false is not supported by OneBitAdam (its warm-up is torch's "
-                             "AdamW, always bias-corrected); remove bias_correction")
+    def _only_defaults(cls, value: bool, info: ValidationInfo) -> bool:
+        wanted = {"bias_correction": True, "eps_inside_sqrt": False, "amsgrad": False}[info.field_name]
+        if value != wanted:
+            raise ValueError(
+                f"{info.field_name}={str(value).lower()} is not supported by OneBitAdam (its warm-up is torch's AdamW: "
+                "bias-corrected, eps outside the square root, no AMSGrad; DeepSpeed's OnebitAdam refuses amsgrad too); "
+                f"remove {info.field_name}"
+            )
+        return value
+
+    @field_validator("comm_backend_name")
+    @classmethod
+    def _torch_backends(cls, value: str) -> str:
+        if value not in ("nccl", "gloo", "hccl", "compressed"):
+            raise ValueError(
+                f"comm_backend_name {value!r}: partita compresses through torch.distributed collectives on the job's "
+                "own backend (no MPI, no cupy); use \"nccl\" (any of nccl, gloo, hccl, compressed means the same here)"
+            )
         return value
 
 

@@ -100,9 +100,9 @@ class OneBitAdam(torch.optim.AdamW):
         self._reducer.local_only = self.compressed_phase
 
     def steps_done(self) -> int:
-        state = self.state.get(self.param_groups[0]["params"][0], {})
-        step = state.get("step", 0)
-        return int(step.item() if torch.is_tensor(step) else step)
+        """Applied steps so far (the most of any group: a group with no gradient yet has no state)."""
+        steps = [self.state.get(group["params"][0], {}).get("step", 0) for group in self.param_groups]
+        return max(int(s.item() if torch.is_tensor(s) else s) for s in steps)
 
     def compressed_phase(self) -> bool:
         """Whether the next step is compressed (``freeze_step`` steps are done)."""
@@ -186,6 +186,8 @@ class OneBitAdam(torch.optim.AdamW):
         options = self.param_groups[g]
         master = options["params"][0]
         state = self.state[master]
+        if "exp_avg_sq" not in state:
+            return  # no gradient reached this group in the warm-up: no variance to freeze; it stays as it is
         rank = group.shard_rank
         beta1, beta2 = options["betas"]
         if self._momentum[g] is None:
