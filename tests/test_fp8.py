@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -284,8 +285,6 @@ def _config(stage: int, *, fp8: bool = True, **extra) -> dict:
 
 
 def _engine(cfg: dict):
-    import warnings
-
     import partita
 
     with warnings.catch_warnings():
@@ -327,6 +326,14 @@ def _on_ranks(save_dir: str) -> dict:
         out["stages"][stage] = {"losses": _train(engine, range(STEPS)), "fp8": fp8_linears(engine.module),
                                 "mfu_peak": engine._step_log.peak_tflops}
     out["ckpt"] = _train(_engine(_config(3, activation_checkpointing={"policy": "every"})), range(STEPS))
+    import partita
+
+    with partita.zero.Init(config_dict_or_path=_config(3)):  # built sharded: converted before any gather
+        sharded = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = partita.initialize(model=sharded, config=_config(3))
+    out["zero_init"] = _train(engine, range(STEPS))
     plain = _engine(_config(0, fp8=False))
     out["plain"], out["plain_peak"] = _train(plain, range(STEPS)), plain._step_log.peak_tflops
     # bf16 (the usual compute precision) at ZeRO-3, eager and compiled: the compiled blocks trace the
@@ -388,6 +395,7 @@ def test_zero_stages_checkpointing_and_checkpoints_on_two_ranks(tmp_path) -> Non
         # Without FP8 the losses differ by more than the tolerance: the comparison above sees FP8.
         assert out["plain"][1:] != pytest.approx(reference[rank][1:], rel=1e-4)
         assert out["ckpt"] == out["stages"][3]["losses"]  # activation checkpointing on == off, exactly
+        assert out["zero_init"] == out["stages"][3]["losses"]
         assert out["off_loads_on"] and out["on_loads_off"] and out["off_fp8"] == []
         assert out["resumed_on"] == out["continued_on"]
         assert out["bf16_compiled"] == out["bf16_eager"] and out["compiled_fp8"] == fp8_names
