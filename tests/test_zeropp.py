@@ -108,7 +108,13 @@ def _train(cfg: dict, *, frozen_first: bool = False, steps: range = range(STEPS)
     exact = all(torch.equal(p.detach(), full.to(p.dtype)) for p, full in masters.items())
     gatherer.release(list(masters))
     return {"losses": losses, "bytes": by_purpose, "prefetches": gatherer.prefetch_count, "exact": exact,
-            "checked": len(masters)}
+            "checked": len(masters), "skipped": engine.skipped_steps}
+
+
+def _fp16(cfg: dict) -> dict:
+    # A loss scale of 2^30 overflows every rank's own fp16 gradients (not just their sum).
+    cfg = {k: v for k, v in cfg.items() if k != "bf16"}
+    return {**cfg, "fp16": {"enabled": True, "initial_scale_power": 30}}
 
 
 def _all_cases(save_dir: str) -> dict:
@@ -123,6 +129,7 @@ def _all_cases(save_dir: str) -> dict:
     both = _config(zero_quantized_weights=True, zero_quantized_gradients=True)
     out["both"] = _train(both, save=f"{save_dir}/ckpt")
     out["resumed"] = _train(both, steps=range(3, STEPS), load=f"{save_dir}/ckpt")
+    out["fp16_plain"], out["fp16_both"] = _train(_fp16(_config()), steps=range(2)), _train(_fp16(both), steps=range(2))
     return out
 
 
@@ -242,6 +249,15 @@ def test_training_tracks_plain_zero3(runs) -> None:
     for case in ("qwz", "qgz4", "qgz8", "frozen_q"):  # the wire really was rounded
         base = "frozen_plain" if case == "frozen_q" else "plain"
         assert runs[0][case]["losses"] != runs[0][base]["losses"], case
+
+
+def test_fp16_overflow_is_seen_through_quantized_gradients(runs) -> None:
+    # An inf in a gradient block arrives as a non-finite block, so the overflow check skips the step
+    # (and nothing moves: the loss stays the first one). Without a skip the quantized run would step.
+    for rank in runs:
+        plain, both = rank["fp16_plain"], rank["fp16_both"]
+        assert plain["skipped"] == both["skipped"] == 2
+        assert both["losses"][0] == both["losses"][1] and plain["losses"][0] == plain["losses"][1]
 
 
 def test_gathers_outside_units_stay_exact(runs) -> None:
