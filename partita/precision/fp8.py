@@ -86,7 +86,7 @@ def apply_fp8(model: nn.Module, config: Any, topology: Any, *, device: torch.dev
             "fp8 is on without compile: in eager mode every FP8 cast (amax, scale, cast) is its own kernel, "
             "which eats most of the FP8 gain (torchao: ~6-10% eager against ~25-28% compiled); set "
             "\"compile\": {\"enabled\": true}",
-            stacklevel=2,
+            stacklevel=3,  # the caller of initialize()
         )
     return [name for name, _ in chosen]
 
