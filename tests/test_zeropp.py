@@ -166,6 +166,18 @@ def test_blockwise_error_is_at_most_half_a_scale(bits: int, numel: int) -> None:
     assert torch.equal(decode_rows(wire, numel, bits, torch.float32), back)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_chunked_wire_equals_one_pass(monkeypatch, bits: int) -> None:
+    import partita.zero.quantized_comm as quantized_comm
+
+    x = torch.randn(2, 5 * BLOCK + 3, generator=torch.Generator().manual_seed(bits))
+    one_pass = dequantize_blocks(*quantize_blocks(x, bits), x.shape[1], torch.float32)
+    monkeypatch.setattr(quantized_comm, "_CHUNK", 2 * BLOCK)  # three chunks, the last one ragged and odd
+    wire = encode_rows(x, bits)
+    assert wire.shape == (2, RowFormat(x.shape[1], bits).row_bytes)
+    assert torch.equal(decode_rows(wire, x.shape[1], bits, torch.float32), one_pass)
+
+
 def test_non_finite_blocks_arrive_non_finite_and_zero_blocks_as_zeros() -> None:
     x = torch.randn(1, 3 * BLOCK)
     x[0, 5] = float("inf")

@@ -34,6 +34,9 @@ from partita.distributed import collectives
 
 BLOCK = 256
 _QMAX = {8: 127, 4: 7}
+# Elements quantized or dequantized at a time (a multiple of BLOCK, even): the fp32 temporaries of a
+# 5e8-element gradient bucket (DeepSpeed's default reduce_bucket_size) would be several GiB at once.
+_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,19 +94,23 @@ def encode_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Quantize each row of ``x`` (rows, n) into its wire row: (rows, row_bytes) uint8."""
     rows, numel = x.shape
     fmt = RowFormat(numel, bits)
-    q, scales = quantize_blocks(x, bits)
     wire = torch.zeros((rows, fmt.row_bytes), dtype=torch.uint8, device=x.device)
-    wire[:, : 4 * fmt.blocks].copy_(scales.view(torch.uint8))
-    payload = q[:, :numel]
-    if bits == 4:
-        # Two per byte: (q + 8) is 1..15; the even element in the low nibble.
-        if numel % 2:
-            payload = torch.nn.functional.pad(payload, (0, 1))
-        nibbles = (payload + 8).to(torch.uint8).view(rows, -1, 2)
-        payload = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
-    else:
-        payload = payload.view(torch.uint8)
-    wire[:, 4 * fmt.blocks : 4 * fmt.blocks + fmt.payload_bytes].copy_(payload)
+    for lo in range(0, numel, _CHUNK):  # see _CHUNK: fp32 temporaries of one chunk, not of the bucket
+        hi = min(lo + _CHUNK, numel)
+        q, scales = quantize_blocks(x[:, lo:hi], bits)
+        b = lo // BLOCK
+        wire[:, 4 * b : 4 * (b + scales.shape[1])].copy_(scales.view(torch.uint8))
+        payload = q[:, : hi - lo]
+        if bits == 4:
+            # Two per byte: (q + 8) is 1..15; the even element in the low nibble.
+            if (hi - lo) % 2:
+                payload = torch.nn.functional.pad(payload, (0, 1))
+            nibbles = (payload + 8).to(torch.uint8).view(rows, -1, 2)
+            payload = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
+        else:
+            payload = payload.view(torch.uint8)
+        first = 4 * fmt.blocks + lo * bits // 8
+        wire[:, first : first + payload.shape[1]].copy_(payload)
     return wire
 
 
@@ -111,17 +118,23 @@ def decode_rows(wire: torch.Tensor, numel: int, bits: int, dtype: torch.dtype) -
     """Inverse of :func:`encode_rows`: (rows, numel) of ``dtype``."""
     rows = wire.shape[0]
     fmt = RowFormat(numel, bits)
-    scales = wire[:, : 4 * fmt.blocks].contiguous().view(torch.float32)
-    payload = wire[:, 4 * fmt.blocks : 4 * fmt.blocks + fmt.payload_bytes]
-    if bits == 4:
-        low = (payload & 0x0F).to(torch.int8) - 8
-        high = (payload >> 4).to(torch.int8) - 8
-        values = torch.stack((low, high), dim=2).view(rows, -1)[:, :numel]
-    else:
-        values = payload.contiguous().view(torch.int8)
-    q = torch.zeros((rows, fmt.blocks * BLOCK), dtype=torch.int8, device=wire.device)
-    q[:, :numel].copy_(values)
-    return dequantize_blocks(q, scales, numel, dtype)
+    out = torch.empty((rows, numel), dtype=dtype, device=wire.device)
+    for lo in range(0, numel, _CHUNK):
+        hi = min(lo + _CHUNK, numel)
+        b0, b1 = lo // BLOCK, math.ceil(hi / BLOCK)
+        scales = wire[:, 4 * b0 : 4 * b1].contiguous().view(torch.float32)
+        first = 4 * fmt.blocks + lo * bits // 8
+        payload = wire[:, first : first + math.ceil((hi - lo) * bits / 8)]
+        if bits == 4:
+            low = (payload & 0x0F).to(torch.int8) - 8
+            high = (payload >> 4).to(torch.int8) - 8
+            values = torch.stack((low, high), dim=2).view(rows, -1)[:, : hi - lo]
+        else:
+            values = payload.contiguous().view(torch.int8)
+        q = torch.zeros((rows, (b1 - b0) * BLOCK), dtype=torch.int8, device=wire.device)
+        q[:, : hi - lo].copy_(values)
+        out[:, lo:hi].copy_(dequantize_blocks(q, scales, hi - lo, torch.float32))
+    return out
 
 
 @dataclass(slots=True)
@@ -157,8 +170,12 @@ class QuantizedReduceScatter:
     bits: int
 
     def reduce(self) -> torch.Tensor:
-        """This rank's chunk summed over every rank, in fp32 (each contribution dequantized first)."""
-        return decode_rows(self.received, self.numel, self.bits, torch.float32).sum(dim=0)
+        """This rank's chunk summed over every rank, in fp32 (each contribution dequantized first,
+        one rank's at a time, in rank order: the same sum on every run)."""
+        total = decode_rows(self.received[:1], self.numel, self.bits, torch.float32)[0]
+        for j in range(1, self.received.shape[0]):
+            total += decode_rows(self.received[j : j + 1], self.numel, self.bits, torch.float32)[0]
+        return total
 
 
 def start_quantized_reduce_scatter(
