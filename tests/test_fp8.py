@@ -150,6 +150,11 @@ def test_filter_and_setting_errors() -> None:
         apply_fp8(build(), cfg, ONE_RANK, device=CPU)
     with pytest.raises(ConfigError, match="fp8 got a bare nn.Linear as the model"):
         apply_fp8(nn.Linear(32, 32), fp8_config(), ONE_RANK, device=CPU)
+    converted = build()
+    convert(converted, filter=["blocks.0.*"])
+    with pytest.raises(ConfigError, match="the model already has torchao Float8Linear layers \\(blocks.0.up, "
+                                          "blocks.0.down\\): it was converted before"):
+        apply_fp8(converted, fp8_config(), ONE_RANK, device=CPU)
     # Off: nothing converts and nothing is imported or checked.
     assert apply_fp8(build(), load_config({"train_batch_size": 1}), SimpleNamespace(tensor_size=4), device=CPU) == []
 

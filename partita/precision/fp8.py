@@ -72,6 +72,14 @@ def apply_fp8(model: nn.Module, config: Any, topology: Any, *, device: torch.dev
             "model itself; wrap it (nn.Sequential(linear)) or set fp8.enabled to false"
         )
     float8 = _import_torchao_float8()
+    converted = fp8_linears(model)
+    if converted:
+        raise ConfigError(
+            f"fp8.enabled, but the model already has torchao Float8Linear layers ({_names(converted)}): it was "
+            "converted before (by convert_to_float8_training or an earlier initialize), and the section cannot "
+            "say which of its settings those layers follow; pass an unconverted model, or set fp8.enabled to false "
+            "to train it as it is converted"
+        )
     fp8_config = dataclasses.replace(
         float8.Float8LinearConfig.from_recipe_name(section.recipe), emulate=section.emulate
     )
