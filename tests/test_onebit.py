@@ -42,8 +42,7 @@ def _train(kind: str, stage: int, steps: int, *, count_bytes_at: int | None = No
     losses, snapshots, records = [], [], []
     for step in range(steps):
         if step == count_bytes_at:
-            COMMS_LOGGER.enabled, COMMS_LOGGER._ops = True, frozenset({"all_to_all_single", "all_gather_into_tensor",
-                                                                        "all_reduce", "reduce_scatter_tensor"})
+            COMMS_LOGGER.enabled = True  # every collective (prof_all, the default)
             COMMS_LOGGER.reset()
         lo = rank * micro
         loss = engine(xs[step][lo : lo + micro], ys[step][lo : lo + micro])

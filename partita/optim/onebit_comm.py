@@ -23,8 +23,6 @@ import torch
 import torch.distributed as dist
 
 from partita.distributed import collectives
-from partita.distributed.collective_errors import explain_collective_failure
-from partita.monitor.comms_logger import COMMS_LOGGER
 
 __all__ = ["compressed_exchange", "pack_signs", "packed_row_bytes", "unpack_signs"]
 
@@ -77,12 +75,8 @@ def _decode(message: torch.Tensor, n: int, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _all_to_all(message: torch.Tensor, group: dist.ProcessGroup | None, purpose: str) -> torch.Tensor:
-    # Logged like partita.sequence.comm's all-to-all (collectives.py has no all-to-all wrapper).
     received = torch.empty_like(message)
-    token = COMMS_LOGGER.start("all_to_all_single", message.numel() * message.element_size(), message, group, purpose)
-    with explain_collective_failure(purpose):
-        dist.all_to_all_single(received, message, group=group)
-    COMMS_LOGGER.finish(token, None)
+    collectives.all_to_all_single(received, message, group=group, purpose=purpose)
     return received
 
 
