@@ -13,8 +13,10 @@ cupy):
    again (``server_error`` keeps what that second compression lost);
 4. an all-gather of the compressed rows: every rank decodes the same ``(world, chunk)`` result.
 
-Bytes per rank and step: ``2 * world * (ceil(chunk / 8) + 4)``, against ``2 * world * chunk * 2``
-for an fp16 all-reduce's message (nccl-tests sizes): 1/16 plus the scales.
+Message bytes per rank and step (nccl-tests sizes): ``2 * world * (ceil(chunk / 8) + 4)``, against
+``2 * world * chunk`` for an fp16 all-reduce of the same elements. On the links (bus bytes: an
+all-reduce moves 2(n-1)/n of its message, an all-to-all and an all-gather (n-1)/n each) that is 1/16
+of the fp16 all-reduce plus the scales, and 1/8 of ZeRO-1/2's fp16 reduce-scatter.
 """
 
 from __future__ import annotations
