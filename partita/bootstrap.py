@@ -117,6 +117,9 @@ def initialize(
 
     init_distributed(backend=cfg.distributed.backend, timeout_seconds=cfg.distributed.timeout_seconds)
     device = current_device()
+    from partita.integrations.peft_support import check_quantized_base
+
+    check_quantized_base(model, device)  # QLoRA: a 4-bit base bitsandbytes cannot run here, refused before sharding
     topology = _build_topology(cfg, device_type=device.type, model=model)
     if inference_only and cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
         cfg = cfg.model_copy(update={"train_micro_batch_size_per_gpu": 1})  # no optimizer step to size a batch for
