@@ -36,7 +36,7 @@ from partita.config.base import ConfigError
 from partita.distributed import collectives
 from partita.optim.onebit_checkpoint import load_worker_errors, worker_error_entries
 from partita.optim.onebit_comm import compressed_exchange
-from partita.zero.shard_group import pack_into_columns
+from partita.optim.onebit_rows import RowLayout
 from partita.zero.unused_params import restore_unused, save_unused
 
 if TYPE_CHECKING:
@@ -46,9 +46,9 @@ __all__ = ["OneBitAdam"]
 
 _PURPOSE = "1-bit Adam momentum exchange"
 _STAGES = (
-    "optimizer type 'OneBitAdam' runs with zero_optimization.stage 1 or 2 over two or more data-parallel ranks "
-    "(its compressed exchange replaces the gradient reduce-scatter of the ZeRO partitions; stage 0 and 3 are not "
-    "built); set zero_optimization.stage to 1 or 2, or use type \"AdamW\""
+    "optimizer type 'OneBitAdam' runs with zero_optimization.stage 0, 1 or 2 over two or more data-parallel ranks "
+    "(its compressed exchange replaces the gradient all-reduce or reduce-scatter; stage 3 is not built); set "
+    "zero_optimization.stage to 0, 1 or 2, or use type \"AdamW\""
 )
 
 
@@ -63,13 +63,13 @@ class OneBitAdam(torch.optim.AdamW):
         # Per group: the synchronised momentum and this rank's worker error, (world, partition).
         self._momentum: list[torch.Tensor | None] = []
         self.worker_errors: list[torch.Tensor | None] = []
-        self._masks: list[torch.Tensor] = []
+        self.server_errors: list[torch.Tensor | None] = []
+        self.rows: list[RowLayout] = []
 
     # ------------------------------------------------------------------ wiring
     def attach_zero(self, sharded: ShardedOptimizer) -> None:
         """Called by the sharded optimizer that owns this optimizer (partita/zero/sharded_optimizer.py)."""
-        stages = {g.layout.num_shards for g in sharded.groups}
-        if stages != {sharded._world_size} or sharded._world_size < 2:
+        if sharded._world_size < 2 or any(g.layout.num_shards not in (1, sharded._world_size) for g in sharded.groups):
             raise ConfigError(_STAGES)
         if any(g.offloaded for g in sharded.groups) or any(g.comm is not None and g.comm.size != sharded._world_size
                                                             for g in sharded.groups):
@@ -80,7 +80,8 @@ class OneBitAdam(torch.optim.AdamW):
         self._sharded = sharded
         self._momentum = [None] * len(sharded.groups)
         self.worker_errors = [None] * len(sharded.groups)
-        self._masks = [_real_mask(g) for g in sharded.groups]
+        self.server_errors = [None] * len(sharded.groups)  # stage 0 only: this rank's row (1-2: in the state)
+        self.rows = [RowLayout(g, sharded._world_size, _rank(sharded)) for g in sharded.groups]
 
     def _bind_reducer(self) -> None:
         if self._reducer is not None or self._sharded is None:
@@ -123,6 +124,7 @@ class OneBitAdam(torch.optim.AdamW):
         self._momentum = [None] * len(self._momentum)
         # The worker errors come back through load_checkpoint_entries (partita checkpoints) or restart at zero.
         self.worker_errors = [None] * len(self.worker_errors)
+        self.server_errors = [None] * len(self.server_errors)
 
     @property
     def zero_groups(self) -> list:
@@ -146,11 +148,11 @@ class OneBitAdam(torch.optim.AdamW):
         self._bind_reducer()
         group_pg, world = sharded.process_group, sharded._world_size
         grads, received = [], []
-        for group in sharded.groups:
-            matrix = torch.zeros((world, group.layout.partition_numel), dtype=torch.float32, device=group.master.device)
+        for group, rows in zip(sharded.groups, self.rows):
+            matrix = rows.empty()
             for param, spec in zip(group.params, group.layout.specs):
                 received.append(param.grad is not None)
-                pack_into_columns(matrix, spec.partition_offset, spec, param.grad)
+                rows.put(matrix, spec, param.grad)
                 param.grad = None
             grads.append(matrix)
         # One all-reduce: the squared local norms and which parameters got a gradient anywhere.
@@ -172,15 +174,25 @@ class OneBitAdam(torch.optim.AdamW):
         # partita/zero/unused_params.py) and are left out of the compressed exchange.
         kept = save_unused(sharded.groups, self, used)
         for g, (group, grad) in enumerate(zip(sharded.groups, grads)):
-            mask = self._masks[g]
+            mask = self.rows[g].mask
             if not all(used[g]):
                 mask = mask.clone()
                 for spec, was_used in zip(group.layout.specs, used[g]):
                     if not was_used:
-                        mask[:, spec.partition_offset : spec.partition_offset + spec.shard_numel] = False
+                        self.rows[g].drop(mask, spec)
             self._step_group(g, group, grad.mul_(multiplier), mask, group_pg)
         restore_unused(kept)
         return True, norm
+
+    def server_error(self, g: int) -> torch.Tensor:
+        """This rank's server error of group ``g``: its row of the exchange (stages 1-2: its partition,
+        kept in the optimizer state, so checkpoints reshard it per element)."""
+        if self.rows[g].sharded:
+            master = self.param_groups[g]["params"][0]
+            return self.state[master].setdefault("server_error", torch.zeros_like(master))
+        if self.server_errors[g] is None:
+            self.server_errors[g] = self.rows[g].empty()[0]
+        return self.server_errors[g]
 
     def _step_group(self, g: int, group, grad: torch.Tensor, mask: torch.Tensor, process_group) -> None:
         options = self.param_groups[g]
@@ -188,22 +200,22 @@ class OneBitAdam(torch.optim.AdamW):
         state = self.state[master]
         if "exp_avg_sq" not in state:
             return  # no gradient reached this group in the warm-up: no variance to freeze; it stays as it is
-        rank = group.shard_rank
+        rows = self.rows[g]
         beta1, beta2 = options["betas"]
         if self._momentum[g] is None:
-            momentum = torch.empty_like(grad)
-            collectives.all_gather_into_tensor(momentum.view(-1), state["exp_avg"], group=process_group,
-                                               purpose=f"{_PURPOSE}: momentum rebuild")
+            momentum = rows.from_partition(state["exp_avg"])
+            if momentum is None:  # stages 1-2: every rank's exp_avg partition
+                momentum = rows.empty()
+                collectives.all_gather_into_tensor(momentum.view(-1), state["exp_avg"], group=process_group,
+                                                   purpose=f"{_PURPOSE}: momentum rebuild")
             self._momentum[g] = momentum
         if self.worker_errors[g] is None:
             self.worker_errors[g] = torch.zeros_like(grad)
-        if "server_error" not in state:
-            state["server_error"] = torch.zeros_like(master)
         estimate = self._momentum[g].mul_(beta1).add_(grad, alpha=1 - beta1)
-        synced = compressed_exchange(estimate, self.worker_errors[g], state["server_error"], mask,
-                                     rank=rank, group=process_group, purpose=_PURPOSE)
+        synced = compressed_exchange(estimate, self.worker_errors[g], self.server_error(g), mask,
+                                     rank=rows.rank, group=process_group, purpose=_PURPOSE)
         self._momentum[g] = synced
-        state["exp_avg"].copy_(synced[rank])
+        state["exp_avg"].copy_(rows.own(synced))
         state["step"] += 1
         step = float(state["step"].item())
         lr, eps, decay = options["lr"], options["eps"], options["weight_decay"]
@@ -214,12 +226,7 @@ class OneBitAdam(torch.optim.AdamW):
         master.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
 
 
-def _real_mask(group) -> torch.Tensor:
-    """``(world, partition)`` bool: which partition elements of each rank are real (not ZeRO padding)."""
-    world = group.layout.num_shards
-    mask = torch.zeros((world, group.layout.partition_numel), dtype=torch.bool, device=group.master.device)
-    for spec in group.layout.specs:
-        for rank in range(world):
-            start, end = spec.owned_range(rank)
-            mask[rank, spec.partition_offset : spec.partition_offset + (end - start)] = True
-    return mask
+def _rank(sharded: ShardedOptimizer) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(sharded.process_group)
