@@ -1,4 +1,4 @@
-"""1-bit Adam (DeepSpeed's ``OneBitAdam``) over ZeRO-1/2 partitions.
+"""1-bit Adam (DeepSpeed's ``OneBitAdam``) at ZeRO stages 0, 1 and 2.
 
 [Note: the two phases]
 - warm-up, the first ``freeze_step`` steps: plain AdamW. This class *is* torch's AdamW there
@@ -19,6 +19,9 @@ checkpoint load) and its worker error of the same size; it forms its local estim
 own partition with row ``r`` of the result and its frozen ``exp_avg_sq``; the usual parameter
 all-gather follows. Costs: two extra model-sized fp32 buffers per rank in this phase, and at stage 2
 the local gradients stay whole in ``param.grad`` until the step.
+At stage 0 (DeepSpeed's only stage) the rows are the whole flat group cut in ``world`` pieces
+(:mod:`partita.optim.onebit_rows`): rank ``r`` serves row ``r`` and every rank updates the whole
+group with the same synchronised momentum, as DeepSpeed does.
 The update is torch's AdamW rule with the variance's bias correction frozen at ``freeze_step``.
 Gradient clipping and the fp16 overflow check use the local gradients (their norms are summed over
 ranks in one fp32 all-reduce): the reported norm is ``sqrt(mean_r |g_r|^2)``, an upper bound of the
