@@ -14,7 +14,7 @@ from pydantic import Field
 
 from partita.config.base import JsonInt, StrictSection
 
-CollectiveName = Literal["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast"]
+CollectiveName = Literal["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_to_all_single"]
 
 
 class _FileMonitorConfig(StrictSection):
