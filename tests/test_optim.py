@@ -69,10 +69,10 @@ def test_unknown_type_lists_supported_and_suggests():
 
 
 def test_known_deepspeed_type_not_implemented():
-    assert _errors({"type": "zerooneadam"}) == [
+    assert _errors({"type": "lamb"}) == [
         (
             ("type",),
-            "Value error, optimizer type 'zerooneadam': DeepSpeed's ZeroOneAdam is not implemented "
+            "Value error, optimizer type 'lamb': DeepSpeed's Lamb is not implemented "
             "in partita yet. Supported: Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, "
             "PagedAdamW8bit, PagedAdam8bit, PagedLion8bit, OneBitAdam.",
         )

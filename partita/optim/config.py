@@ -286,6 +286,28 @@ def _refuse_four_bit(value: Any) -> None:
         )
 
 
+_UNBUILT_ONE_BIT = {
+    "zerooneadam": (
+        "ZeroOneAdam", "DeepSpeed's 0/1 Adam: its local steps let every rank's whole model drift between "
+        "synchronisations, and its adaptive variance/local-step schedules are not built"
+    ),
+    "onebitlamb": (
+        "OneBitLamb", "DeepSpeed's 1-bit LAMB: partita has no LAMB (its warm-up) and no frozen layer-wise "
+        "scaling coefficients yet"
+    ),
+}
+
+
+def _refuse_unbuilt_one_bit(value: Any) -> None:
+    if isinstance(value, str) and value.lower() in _UNBUILT_ONE_BIT:
+        name, why = _UNBUILT_ONE_BIT[value.lower()]
+        raise ValueError(
+            f"optimizer type {value!r} is not implemented in partita ({why}). The 1-bit optimizer partita has is "
+            f"\"OneBitAdam\" (1-bit Adam at ZeRO stages 0-2; its warm-up length is freeze_step). Supported "
+            f"types: {', '.join(OPTIMIZER_TYPES)}"
+        )
+
+
 def _validate_params(
     value: Any,
     info: ValidationInfo,
@@ -317,6 +339,7 @@ class OptimizerConfig(StrictSection):
     @classmethod
     def _canonical(cls, value: Any) -> str:
         _refuse_four_bit(value)
+        _refuse_unbuilt_one_bit(value)
         return _canonical_type(
             value, supported=OPTIMIZER_TYPES, known_elsewhere=_PENDING_OPTIMIZERS, what="optimizer"
         )
