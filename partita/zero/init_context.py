@@ -161,7 +161,8 @@ class Init:
         self._config = config_dict_or_path if config_dict_or_path is not None else config
         self._dtype = dtype
         self._depth: dict[int, int] = {}
-        self._patched: list[tuple[type, Any]] = []
+        self._patched: list[tuple[type, Any, Any]] = []  # (class, its __init__, our wrapper)
+        self._open = False
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Init:
@@ -176,6 +177,7 @@ class Init:
         precision = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
         self._dtype = self._dtype or precision
         self._world, self._rank = dist.get_world_size(), dist.get_rank()
+        self._open = True
         for cls in _all_module_classes():
             self._wrap_init(cls)
         self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
@@ -198,8 +200,14 @@ class Init:
             return
         self._access.__exit__(None, None, None)
         init_contexts_opened(-1)
-        for cls, original in reversed(self._patched):
-            cls.__init__ = original
+        self._open = False  # every wrapper of this context only forwards from now on
+        for cls, original, wrapped in reversed(self._patched):
+            # A class defined inside the context is wrapped while its ``class`` statement runs
+            # (``__init_subclass__``), before its decorators: one that replaced ``__init__`` in
+            # turn (transformers' ``use_kernelized_func``) calls our wrapper. Putting the original
+            # back would drop that decorator's ``__init__``; leave it, ours now only forwards.
+            if cls.__dict__.get("__init__") is wrapped:
+                cls.__init__ = original
         self._patched.clear()
         if self._orig_init_subclass is None:
             del nn.Module.__init_subclass__
@@ -211,12 +219,19 @@ class Init:
     # ------------------------------------------------------------------ patching
     def _wrap_init(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")
-        if original is None or getattr(original, "_partita_wrapped", False):
+        # Already wrapped by an open context (this one, or an outer one). The marker names its
+        # context: a decorator's ``functools.wraps`` copies it onto its own ``__init__``, and one
+        # copied from a closed context's wrapper must not stop this context from wrapping.
+        owner = getattr(original, "_partita_init_context", None)
+        if original is None or (owner is not None and owner._open):
             return
         context = self
 
         @functools.wraps(original)
         def wrapped(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            if not context._open:  # a wrapper left inside another's (see __exit__)
+                original(module, *args, **kwargs)
+                return
             key = id(module)
             context._depth[key] = context._depth.get(key, 0) + 1
             try:
@@ -227,9 +242,9 @@ class Init:
                 del context._depth[key]
                 context._shard_direct_params(module)
 
-        wrapped._partita_wrapped = True  # type: ignore[attr-defined]
+        wrapped._partita_init_context = self  # type: ignore[attr-defined]
         cls.__init__ = wrapped
-        self._patched.append((cls, original))
+        self._patched.append((cls, original, wrapped))
 
     @torch.no_grad()
     def _shard_direct_params(self, module: nn.Module) -> None:
