@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from partita.autotune.trial_env import TrialReporter
 from partita.distributed import collectives
+from partita.monitor.comm_advice import compression_note
 from partita.monitor.comms_logger import COMMS_LOGGER
 from partita.monitor.flops_profiler import FlopsProfile, ModuleProfiler
 from partita.monitor.memory import memory_bytes
@@ -64,6 +65,7 @@ class StepLogger:
         # the model): count them on one, or tokens/s is tensor x sequence size times too high.
         self._counts_tokens = engine.topology.tensor_rank == 0 and engine.topology.sequence_rank == 0
         self._layout = engine.topology.describe() if engine.topology.is_model_parallel() else None
+        self._compression_checked = False  # the first print step says if compression would not pay
         self._timers = PhaseTimers(device=self._device, enabled=config.wall_clock_breakdown)
         self._meter = ThroughputMeter(warmup_steps=config.throughput.warmup_steps, sync=self._sync)
         self._losses: list[torch.Tensor] = []
@@ -318,6 +320,11 @@ class StepLogger:
             if self._layout is not None:  # the first print step says how the model is laid out
                 logger.info("layout: %s", self._layout)
                 self._layout = None
+            if not self._compression_checked:  # modelled (partita/monitor/comm_advice.py), once
+                self._compression_checked = True
+                note = compression_note(engine)
+                if note is not None:
+                    logger.warning("%s", note)
             logger.info(self.last_line)
             self._monitors.write_events(
                 [(f"Train/Samples/{name}", value, engine.global_samples) for name, value in self.last_metrics.items()]
