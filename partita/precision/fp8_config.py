@@ -19,7 +19,7 @@ Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 # Keys that only mean something when FP8 is on; set with enabled false they would be silently
 # ignored, which the config refuses (as the compile section does).
-_FP8_OPTIONS = ("recipe", "filter", "keep_first_last_bf16", "emulate")
+_FP8_OPTIONS = ("recipe", "filter", "keep_first_last_bf16", "emulate", "all_gather")
 
 
 class FP8Config(StrictSection):
@@ -75,6 +75,17 @@ class FP8Config(StrictSection):
         json_schema_extra=PARTITA_KEY,
     )
 
+    all_gather: bool = Field(
+        False,
+        description=(
+            "partita only: at ZeRO-3 (stage 3 only), the unit all-gathers of the FP8 linears' weights send "
+            "float8_e4m3fn (1 byte per element, half of bf16) with one scale per weight shared by the ZeRO group "
+            "(its amax all-reduced once per gather); every rank rebuilds the weight in the model dtype. Tensorwise "
+            "recipe only. Other parameters and gathers outside units stay exact. Default false."
+        ),
+        json_schema_extra=PARTITA_KEY,
+    )
+
     @model_validator(mode="after")
     def _checks(self) -> FP8Config:
         given = [key for key in _FP8_OPTIONS if key in self.model_fields_set]
@@ -82,6 +93,12 @@ class FP8Config(StrictSection):
             raise ValueError(
                 f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} when fp8.enabled is true "
                 "(enabled is false, so no linear runs in FP8); set \"enabled\": true, or remove them"
+            )
+        if self.all_gather and self.recipe != "tensorwise":
+            raise ValueError(
+                f"all_gather is tensorwise only (recipe is {json.dumps(self.recipe)}): each rank casts its own shard, "
+                "which needs one scale per weight, and the rowwise recipes scale each row; set \"recipe\": "
+                "\"tensorwise\", or remove all_gather"
             )
         if isinstance(self.filter, str) and self.filter != "auto":
             raise ValueError(

@@ -67,6 +67,7 @@ from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.gather_state import InFlight, ParamState
 from partita.zero.holds import Holds
 from partita.zero.partition import ShardSpec
+from partita.zero.fp8_gather import is_fp8_gathered, start_fp8_all_gather
 from partita.zero.quantized_comm import start_quantized_all_gather
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
@@ -428,10 +429,12 @@ class ParameterGatherer:
             comm = self.frozen.comm if where is None else self._groups[where[0]].comm
             dtype = self.frozen.shard(param).dtype if where is None else self._groups[where[0]].model_dtype
             wire = quantize and (self._quantize == "all" or (self._quantize == "frozen" and not param.requires_grad))
+            if quantize and is_fp8_gathered(param):  # fp8.all_gather: a Float8Linear weight (zero/fp8_gather.py)
+                wire = "fp8"
             by_comm.setdefault((id(comm), dtype, wire), (comm, []))[1].append(param)
         return [self._start_gather(part, comm, key[2]) for key, (comm, part) in by_comm.items()]
 
-    def _start_gather(self, params: list[nn.Parameter], comm=None, quantized: bool = False) -> int:
+    def _start_gather(self, params: list[nn.Parameter], comm=None, quantized: bool | str = False) -> int:
         # Trainable parameters' pieces first (from the storage), then frozen ones' (FrozenShards).
         params = [p for p in params if p in self._where] + [p for p in params if p not in self._where]
         pieces = [self._piece(p) for p in params if p in self._where]
@@ -449,6 +452,10 @@ class ParameterGatherer:
             size, process_group = (self._world_size, self._process_group) if comm is None else (comm.size, comm.process_group)
             if size == 1:
                 gathered = local.view(1, -1)
+            elif quantized == "fp8":
+                spans = [(col, self._spec(p).shard_numel) for p, col in zip(params, columns)]
+                work, gathered, wire = start_fp8_all_gather(local, spans, size=size, group=process_group,
+                                                            purpose="ZeRO-3 parameter all-gather")
             elif quantized:
                 work, gathered, wire = start_quantized_all_gather(local, size=size, group=process_group,
                                                                   purpose="ZeRO-3 parameter all-gather")

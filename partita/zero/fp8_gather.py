@@ -1,0 +1,126 @@
+"""FP8 weight all-gather at ZeRO-3 (``fp8.all_gather``, tensorwise): a unit's Float8Linear weights
+travel as float8_e4m3fn, one byte per element, with one scale per weight shared by the ZeRO group.
+
+[Note: the FP8 wire]
+torchao's FSDP2 version (``enable_fsdp_float8_all_gather``) wraps each weight in a tensor subclass
+whose all-gather hooks FSDP2 calls; partita's flat shards have no such hooks, and torchao's flag
+would replace the Parameter objects that partita's groups and masters hold. So the wire is built
+here, on the same seam as ZeRO++'s int8 gather (a ``dequantize(wire)`` object in the flight):
+
+1. each rank takes the abs-max of its shard of every FP8 weight in the gather (padding is zero,
+   so it never raises an amax), and ONE all-reduce (max) of that small vector gives every rank the
+   whole weight's amax: the same amax the weight's own tensorwise cast would compute;
+2. the scale is torchao's (``amax_to_scale``: e4m3's max / amax in fp64, stored fp32) and the
+   cast torchao's (fp32 multiply, saturating cast), so each shard's bytes are exactly the bytes
+   of the whole weight cast in one process with that scale;
+3. the all-gather moves the float8 bytes as uint8 (gloo and NCCL both move bytes);
+4. every rank rebuilds the weight in the model dtype as ``fp8 / scale`` (torchao's
+   ``to_original_precision``). The Float8Linear then casts that weight again with its own dynamic
+   scale; its amax is the amax sent (the largest element maps to e4m3's max, a value e4m3 holds),
+   so the second cast lands on the same grid and the forward sees the FP8 weight it would have.
+
+Rebuilding rather than handing torchao a ``Float8TrainingTensor`` keeps the parameter an ordinary
+tensor: the gatherer's unpacking, gradient hooks, activation checkpointing and compile see what
+they see without FP8 gathers. The cost is one extra cast per weight per gather (elementwise,
+fused under compile), against a matmul's worth of compute.
+
+Gathers outside units (holds, exports, checkpoints) stay exact: the masters are never touched,
+only the weights the forward and backward use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.config.base import ConfigError
+from partita.distributed import collectives
+
+__all__ = ["FP8_DTYPE", "mark_fp8_all_gather", "is_fp8_gathered", "start_fp8_all_gather", "Fp8Gather"]
+
+FP8_DTYPE = torch.float8_e4m3fn  # torchao's forward dtype for weights (e5m2 is for gradients)
+# Set on a Float8Linear's weight Parameter: its unit gathers go as FP8. On the Parameter, not in a
+# set the gatherer holds: it is built later than the model is converted, and the Parameter object
+# is what both see (Float8Linear keeps the plain linear's Parameter, see partita/precision/fp8.py).
+_MARK = "_partita_fp8_all_gather"
+
+
+def mark_fp8_all_gather(model: nn.Module, *, zero_stage: int) -> list[str]:
+    """Make the unit gathers of every Float8Linear weight in ``model`` travel as FP8; returns the
+    names of the marked weights. ``zero_stage``: the run's stage (only stage 3 gathers weights)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+
+    if zero_stage != 3:
+        raise ConfigError(
+            f"fp8.all_gather needs zero_optimization.stage 3 (it is {zero_stage}): only ZeRO-3 all-gathers the "
+            "weights before each unit; set the stage to 3, or remove fp8.all_gather"
+        )
+    marked = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Float8Linear):
+            continue
+        weight_cast = module.config.cast_config_weight
+        if weight_cast.scaling_granularity is not ScalingGranularity.TENSORWISE or (
+            weight_cast.scaling_type is not ScalingType.DYNAMIC
+        ):
+            raise ConfigError(
+                f"fp8.all_gather is tensorwise only, but {name} casts its weight with "
+                f"{weight_cast.scaling_granularity.value} scaling: one scale per weight is what lets every rank cast "
+                "its own shard; set fp8.recipe to \"tensorwise\", or remove fp8.all_gather"
+            )
+        setattr(module.weight, _MARK, True)
+        marked.append(f"{name}.weight")
+    if not marked:
+        raise ConfigError(
+            "fp8.all_gather is set but no linear runs in FP8 (fp8.filter chose none), so no gather would change; "
+            "widen fp8.filter, or remove fp8.all_gather"
+        )
+    return marked
+
+
+def is_fp8_gathered(param: nn.Parameter) -> bool:
+    return getattr(param, _MARK, False)
+
+
+@dataclass(slots=True)
+class Fp8Gather:
+    """An FP8 all-gather of several weights' shards (packed in columns), in flight."""
+
+    spans: list[tuple[int, int]]  # (first column, shard elements) of each weight
+    scales: torch.Tensor  # fp32 (weights,): the group's shared scale of each
+    dtype: torch.dtype  # the model dtype to rebuild in
+
+    def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
+        """The gathered (world, columns) uint8 rows as values of the model dtype."""
+        fp8 = wire.view(FP8_DTYPE)
+        out = torch.zeros(wire.shape, dtype=self.dtype, device=wire.device)
+        for (lo, n), scale in zip(self.spans, self.scales):
+            out[:, lo : lo + n] = (fp8[:, lo : lo + n].to(torch.float32) / scale).to(self.dtype)
+        return out
+
+
+def start_fp8_all_gather(
+    local: torch.Tensor, spans: list[tuple[int, int]], *, size: int, group: dist.ProcessGroup | None, purpose: str
+) -> tuple[dist.Work | None, torch.Tensor, Fp8Gather]:
+    """All-gather ``local`` (1-D: the weights' shards at ``spans``) as float8_e4m3fn with one
+    group-wide scale per weight (see the module note); returns the Work, the uint8 buffer it fills
+    (size, local.numel()) and what turns that buffer into model-dtype values."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    amax = torch.stack([
+        local[lo : lo + n].abs().max().to(torch.float32) if n else local.new_zeros((), dtype=torch.float32)
+        for lo, n in spans
+    ])
+    collectives.all_reduce(amax, group=group, purpose=f"fp8 amax {purpose}", op=dist.ReduceOp.MAX)
+    scales = amax_to_scale(amax, FP8_DTYPE)
+    mine = torch.zeros(local.numel(), dtype=FP8_DTYPE, device=local.device)
+    for (lo, n), scale in zip(spans, scales):
+        mine[lo : lo + n] = to_fp8_saturated(local[lo : lo + n].to(torch.float32) * scale, FP8_DTYPE)
+    wire = torch.empty((size, local.numel()), dtype=torch.uint8, device=local.device)
+    work = collectives.all_gather_into_tensor(wire.view(-1), mine.view(torch.uint8), group=group,
+                                              purpose=f"fp8 {purpose}", async_op=True)
+    return work, wire, Fp8Gather(spans, scales, local.dtype)
