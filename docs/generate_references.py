@@ -1,6 +1,6 @@
 """Write the generated reference pages of the documentation from the code.
 
-    python docs/generate_references.py           # rewrite docs/reference/{config,cli,compatibility}.md
+    python docs/generate_references.py           # rewrite docs/reference/{config,cli,compatibility,deepspeed-paths}.md
     python docs/generate_references.py --check   # exit 1, naming the stale pages, if any differ
 
 The pages are generated, never edited by hand, so they cannot drift from what partita accepts:
@@ -10,8 +10,10 @@ The pages are generated, never edited by hand, so they cannot drift from what pa
   and description;
 - ``cli.md`` from the argparse parsers of ``partita`` (``partita.launcher.cli.build_parser``);
 - ``compatibility.md`` from ``partita.config.unsupported`` (DeepSpeed keys refused, with the value
-  that is accepted and the hint), the schema's DeepSpeed keys (accepted), and the
-  ``partita.runtime`` modules that answer ``deepspeed.runtime.*`` imports.
+  that is accepted and the hint) and the schema's DeepSpeed keys (accepted);
+- ``deepspeed-paths.md`` from the modules that answer DeepSpeed's import paths (``SHIM_ROOTS``):
+  each one's docstring, where each name it exports is defined (read from the objects, so a
+  re-export cannot be misdescribed) and the names it refuses (its ``MISSING`` table).
 
 tests/test_docs_references.py regenerates the pages and fails on any difference.
 """
@@ -24,6 +26,7 @@ import json
 import pkgutil
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -217,23 +220,12 @@ def render_cli() -> str:
 # ----------------------------------------------------------------------------- compatibility table
 
 
-def _runtime_modules() -> Iterator[tuple[str, str]]:
-    import partita.runtime as runtime
-
-    for info in sorted(pkgutil.walk_packages(runtime.__path__, "partita.runtime."), key=lambda i: i.name):
-        if info.name.rsplit(".", 1)[-1].startswith("_"):
-            continue
-        module = importlib.import_module(info.name)
-        doc = (module.__doc__ or "").strip().split("\n\n")[0]
-        yield info.name, _markdown(doc)
-
-
 def render_compatibility() -> str:
     from partita.config import PartitaConfig
     from partita.config.unsupported import UNSUPPORTED, UNSUPPORTED_PREFIXES
 
     schema = _Schema(PartitaConfig.model_json_schema(mode="validation"))
-    out = [HEADER.format(source="partita/config/unsupported.py, the config models or partita/runtime/"),
+    out = [HEADER.format(source="partita/config/unsupported.py or the config models"),
            "# DeepSpeed compatibility\n\n",
            "What happens to a DeepSpeed config and a DeepSpeed script under partita, generated from the code.\n"
            "A refused key is accepted when it holds the value shown, which has no effect in DeepSpeed either\n"
@@ -256,13 +248,105 @@ def render_compatibility() -> str:
         for prefix in prefixes:
             path = ".".join(section + (prefix + "*",))
             out.append(f"| `{path}` | — | any other key with this prefix: a DeepSpeed setting partita does not implement |\n")
-    out.append("\n## `deepspeed.runtime.*` modules\n\n"
-               "With `import partita as deepspeed`, each of these answers the DeepSpeed import of the same path\n"
-               "(`deepspeed.runtime.X` is `partita.runtime.X`); a name partita lacks raises\n"
-               "`MissingDeepSpeedImport` naming what to use ([runtime paths](../guides/deepspeed-runtime-paths.md)).\n\n"
-               "| module | what it holds |\n|---|---|\n")
-    for name, doc in _runtime_modules():
-        out.append(f"| `{name}` | {_cell(doc)} |\n")
+    out.append("\n## DeepSpeed import paths\n\n"
+               "Which partita module answers each DeepSpeed import path (`deepspeed.runtime.*`, `deepspeed.comm`,\n"
+               "`deepspeed.accelerator`, `deepspeed.ops`, `deepspeed.checkpointing`), where each of its names is\n"
+               "defined and which names it refuses: the [DeepSpeed import paths](deepspeed-paths.md) table.\n")
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed paths
+
+# The packages and modules that answer DeepSpeed's import paths (``deepspeed.X`` is ``partita.X``
+# with ``import partita as deepspeed``). partita.deepspeed_compat holds the refusals of names that
+# have no module of their own (``deepspeed.module_inject``, ``engine.train_batch()``, ...).
+SHIM_ROOTS = ("partita.runtime", "partita.accelerator", "partita.comm", "partita.ops", "partita.checkpointing",
+              "partita.deepspeed_compat")
+
+
+def shim_modules() -> Iterator[Any]:
+    """Every public module under ``SHIM_ROOTS``, imported, in name order."""
+    names = []
+    for root in SHIM_ROOTS:
+        module = importlib.import_module(root)
+        names.append(root)
+        if hasattr(module, "__path__"):
+            names += [i.name for i in pkgutil.walk_packages(module.__path__, root + ".")]
+    for name in sorted(names):
+        if not any(part.startswith("_") for part in name.split(".")):
+            yield importlib.import_module(name)
+
+
+def _home(obj: Any) -> tuple[str, str]:
+    """(module, name) where ``obj`` is defined: a module is its own home."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__, ""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return module, qualname
+    return "", ""  # a value (a constant, an instance): it lives where it is exported
+
+
+def forwards(module: Any) -> dict[str, list[str]]:
+    """The real module of each name ``module`` exports (its ``__all__``, lazy names resolved):
+    module -> the names, each as `exported` or `exported` (`defined name`) for an alias."""
+    found: dict[str, list[str]] = {}
+    for name in getattr(module, "__all__", ()):
+        home, qualname = _home(getattr(module, name))
+        home = home or module.__name__
+        shown = f"`{name}`" if qualname in ("", name) else f"`{name}` (`{qualname}`)"
+        found.setdefault(home, []).append(shown)
+    return found
+
+
+def refused(module: Any) -> list[str]:
+    """The DeepSpeed names ``module`` refuses with MissingDeepSpeedFeature naming what to use: its
+    ``MISSING`` table (partita/runtime/_missing.py's convention); for partita.deepspeed_compat, the
+    top-level names partita really lacks (a package may have arrived since) and the engine's."""
+    if module.__name__ == "partita.deepspeed_compat":
+        import partita
+
+        top = []
+        for name in module.TOP_LEVEL:
+            try:
+                getattr(partita, name)
+            except module.MissingDeepSpeedFeature:
+                top.append(f"`deepspeed.{name}`")
+        return top + [f"`engine.{name}`" for name in module.ENGINE]
+    from partita.deepspeed_compat import MissingDeepSpeedFeature
+
+    names = [f"`{name}`" for name in getattr(module, "MISSING", {})]
+    try:  # a package whose __getattr__ refuses whatever it lacks (partita.ops)
+        getattr(module, "no_such_deepspeed_name")
+    except MissingDeepSpeedFeature:
+        names.append("any other name")
+    except AttributeError:
+        pass
+    return names
+
+
+def _deepspeed_path(module: Any) -> str:
+    if module.__name__ == "partita.deepspeed_compat":
+        return "`deepspeed.*`, `DeepSpeedEngine.*`"
+    return "`deepspeed" + module.__name__[len("partita"):] + "`"
+
+
+def render_deepspeed_paths() -> str:
+    out = [HEADER.format(source="a module under " + ", ".join(SHIM_ROOTS)),
+           "# DeepSpeed import paths\n\n",
+           "With `import partita as deepspeed`, the DeepSpeed path in the first column is the partita module in the\n"
+           "second. **forwards to** is where each name the module exports is defined, read from the objects\n"
+           "themselves (`module`: names), so an alias shows the name it was given there; a module's own\n"
+           "names are listed under its own name. **refused** names raise `MissingDeepSpeedFeature` (from\n"
+           "`from ... import` too, as `MissingDeepSpeedImport`) with what to use instead\n"
+           "([runtime paths](../guides/deepspeed-runtime-paths.md)). Which DeepSpeed config keys partita reads\n"
+           "or refuses is in the [compatibility table](compatibility.md).\n\n"
+           "| DeepSpeed path | partita module | what it holds | forwards to | refused |\n|---|---|---|---|---|\n"]
+    for module in shim_modules():
+        doc = _markdown((module.__doc__ or "").strip().split("\n\n")[0])
+        targets = "; ".join(f"`{home}`: {', '.join(names)}" for home, names in forwards(module).items())
+        out.append(f"| {_deepspeed_path(module)} | `{module.__name__}` | {_cell(doc)} | {_cell(targets) or '—'} | "
+                   f"{_cell(', '.join(refused(module))) or '—'} |\n")
     return "".join(out)
 
 
@@ -272,7 +356,7 @@ def render_compatibility() -> str:
 def render() -> dict[Path, str]:
     """Every generated page, by its path."""
     return {REFERENCE / "config.md": render_config(), REFERENCE / "cli.md": render_cli(),
-            REFERENCE / "compatibility.md": render_compatibility()}
+            REFERENCE / "compatibility.md": render_compatibility(), REFERENCE / "deepspeed-paths.md": render_deepspeed_paths()}
 
 
 def stale() -> list[Path]:

@@ -1,6 +1,7 @@
-"""The generated reference pages (docs/reference/config.md, cli.md, compatibility.md) equal what
-docs/generate_references.py writes from the code now, and what it writes is right: origins, the
-refused DeepSpeed keys with their accepted values, every CLI subcommand."""
+"""The generated reference pages (docs/reference/config.md, cli.md, compatibility.md,
+deepspeed-paths.md) equal what docs/generate_references.py writes from the code now, and what it
+writes is right: origins, the refused DeepSpeed keys with their accepted values, every CLI
+subcommand, every DeepSpeed-path shim with the module each of its names really comes from."""
 
 from __future__ import annotations
 
@@ -100,7 +101,72 @@ def test_compatibility_page_lists_every_refused_key_with_its_accepted_value() ->
         for name, entry in entries.items():
             path = ".".join(section + (name,))
             assert f"| `{path}` | `{gen._cell(entry.harmless_form())}` |" in page, path
-    assert "| `partita.runtime.pipe.topology` |" in page
+    assert "[DeepSpeed import paths](deepspeed-paths.md)" in page  # the one table of shims is there
+
+
+def _path_rows() -> dict[str, list[str]]:
+    """partita module -> its row's cells, from the rendered DeepSpeed-paths page."""
+    rows = {}
+    for line in gen.render_deepspeed_paths().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 5 and cells[1].startswith("`partita"):
+            rows[cells[1].strip("`")] = cells
+    return rows
+
+
+def test_deepspeed_paths_page_has_a_row_for_every_shim_module_file() -> None:
+    """Found from the files, not by the generator's walk: a new shim module cannot be left out."""
+    expected = set()
+    for root in gen.SHIM_ROOTS:
+        base = ROOT / root.replace(".", "/")
+        files = [base.with_suffix(".py")] if base.with_suffix(".py").exists() else sorted(base.rglob("*.py"))
+        for file in files:
+            parts = file.relative_to(ROOT).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            if not any(p.startswith("_") for p in parts):
+                expected.add(".".join(parts))
+    rows = _path_rows()
+    assert expected <= set(rows), sorted(expected - set(rows))
+    assert rows["partita.runtime.zero.stage3"][0] == "`deepspeed.runtime.zero.stage3`"
+
+
+_FORWARD = re.compile(r"`([\w.]+)`: ((?:`\w+`(?: \(`[\w.]+`\))?(?:, )?)+)")
+_NAME = re.compile(r"`(\w+)`(?: \(`([\w.]+)`\))?")
+
+
+def test_deepspeed_paths_forwards_name_where_each_export_is_defined() -> None:
+    """Every "module: names" claim of the table holds: the shim's name is that module's object."""
+    import importlib
+
+    checked = 0
+    for shim, cells in _path_rows().items():
+        module = importlib.import_module(shim)
+        for home, names in _FORWARD.findall(cells[3]):
+            for name, defined in _NAME.findall(names):
+                obj = getattr(module, name)
+                real = importlib.import_module(home)
+                if defined or not isinstance(obj, type(module)):
+                    for part in (defined or name).split("."):
+                        real = getattr(real, part)
+                assert real is obj, (shim, name, home)
+                checked += 1
+    assert checked > 100, checked
+    rows = _path_rows()
+    assert "`partita.zero.init_context`: `Init`" in rows["partita.runtime.zero.partition_parameters"][3]
+    assert "`LossScaler` (`StaticLossScaler`)" in rows["partita.runtime.fp16.loss_scaler"][3]
+    assert rows["partita.runtime.zero.partition_parameters"][4] == "`ZeroParamStatus`"
+    assert rows["partita.ops"][4] == "any other name"
+    assert "`deepspeed.module_inject`" in rows["partita.deepspeed_compat"][4]
+    assert "`deepspeed.moe`" not in rows["partita.deepspeed_compat"][4]  # partita.moe exists: not refused
+
+
+def test_a_changed_reexport_makes_the_deepspeed_paths_page_stale(monkeypatch) -> None:
+    import partita.runtime.engine as shim
+    from partita.zero import Init
+
+    monkeypatch.setattr(shim, "DeepSpeedEngine", Init)  # the shim now forwards elsewhere
+    assert gen.REFERENCE / "deepspeed-paths.md" in gen.stale()
+    assert "`partita.zero.init_context`: `DeepSpeedEngine` (`Init`)" in _path_rows()["partita.runtime.engine"][3]
 
 
 def test_cli_page_has_every_subcommand_and_option() -> None:
