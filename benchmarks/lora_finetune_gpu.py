@@ -11,7 +11,8 @@ through ``partita.integrations.hf.PartitaTrainer(partita_config=...)``, DeepSpee
 clean CUDA allocator). Both build the base the way their users do at ZeRO-3: partita under
 ``partita.zero.Init``, DeepSpeed through transformers' ``from_config`` with the DeepSpeed
 TrainingArguments alive (``deepspeed.zero.Init``); then peft's ``get_peft_model`` (partita's wrapper).
-The data is random token windows, the same for both (seeded), labels = inputs.
+The data is random token windows, the same for both (seeded), labels = inputs. (The two engines'
+random initial weights differ, each Init draws them its own way; the speed does not depend on them.)
 
 Timing: a callback synchronizes and reads the clock at every optimizer step's end; the first
 ``--warmup`` steps are left out. tokens/s = micro_batch x seq x timed steps / their seconds. Peak
@@ -200,28 +201,21 @@ def missing_modules(python: str, modules: list[str]) -> list[str]:
     return [m for m in out.stdout.strip().split(",") if m]
 
 
-def borrow_modules(modules: list[str], env: dict, workdir: str) -> None:
-    """Put this interpreter's copies of pure-Python ``modules`` (peft, trl, datasets) on the
-    DeepSpeed interpreter's path: .bench-venv has deepspeed and transformers but not these."""
-    import importlib.util
+def fallback_path(python: str) -> str | None:
+    """This interpreter's site-packages, for the DeepSpeed interpreter to fall back on (appended to its
+    sys.path by the worker, so its own packages win): .bench-venv has deepspeed, torch and
+    transformers but not peft, trl or datasets. None when both are the same interpreter."""
+    import sysconfig
 
-    shim = os.path.join(workdir, "borrowed")
-    os.makedirs(shim, exist_ok=True)
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        link = os.path.join(shim, name)
-        if not os.path.exists(link):
-            os.symlink(list(spec.submodule_search_locations)[0], link)
-    env["PYTHONPATH"] = shim + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if os.path.abspath(python) == os.path.abspath(sys.executable):  # venvs share one base interpreter: no realpath
+        return None
+    return sysconfig.get_paths()["purelib"]
 
 
-def run_side(engine: str, python: str, env_extra: dict, argv: list[str], workdir: str) -> dict:
+def run_side(script: str, engine: str, python: str, env_extra: dict, argv: list[str], workdir: str) -> dict:
     result = os.path.join(workdir, f"{engine}.json")
-    env = {**os.environ, **env_extra, "PYTHONPATH": os.pathsep.join(
-        p for p in (env_extra.get("PYTHONPATH", ""), REPO) if p)}
-    cmd = [python, os.path.abspath(__file__), *argv, "--worker", engine, "--result", result, "--workdir", workdir]
+    env = {**os.environ, **env_extra, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), REPO) if p)}
+    cmd = [python, script, *argv, "--worker", engine, "--result", result, "--workdir", workdir]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.exists(result):
         return {"failed": (proc.stderr or proc.stdout)[-3000:], "rc": proc.returncode}
@@ -229,23 +223,24 @@ def run_side(engine: str, python: str, env_extra: dict, argv: list[str], workdir
         return json.load(f)
 
 
-def drive(args: argparse.Namespace, argv: list[str], benchmark: str, needs: list[str]) -> dict:
-    """Runs each engine in its own process and puts their results side by side."""
+def drive(script: str, args: argparse.Namespace, argv: list[str], benchmark: str, needs: list[str]) -> dict:
+    """Runs each engine in its own process (``script --worker ENGINE``) and puts their results side by side;
+    ``needs``: the modules the DeepSpeed side borrows from this interpreter when its own lacks them."""
     workdir = args.workdir or tempfile.mkdtemp(prefix=f"{benchmark}_")
     engines: dict = {}
     for engine in args.engines.split(","):
         if engine == "partita":
-            engines[engine] = run_side(engine, sys.executable, {}, argv, workdir)
+            engines[engine] = run_side(script, engine, sys.executable, {}, argv, workdir)
             continue
         python, env = ds_side_python(args)
         lacking = missing_modules(python, ["deepspeed", *needs])
-        if lacking and lacking != ["deepspeed"]:
-            borrow_modules([m for m in lacking if m != "deepspeed"], env, workdir)
+        if [m for m in lacking if m != "deepspeed"] and fallback_path(python):
+            env["PARTITA_BENCH_FALLBACK_PATH"] = fallback_path(python)
         if "deepspeed" in lacking:
             engines[engine] = {"skipped": f"{python} has no deepspeed (install .whl/deepspeed-*.whl, or give "
                                           f"--ds-python an interpreter that has it)"}
             continue
-        engines[engine] = run_side(engine, python, env, argv, workdir)
+        engines[engine] = run_side(script, engine, python, env, argv, workdir)
     return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
             "engines": engines}
 
@@ -297,7 +292,15 @@ def forwarded(argv: list[str]) -> list[str]:
     return out
 
 
+def use_fallback_path() -> None:
+    """In a worker: packages this interpreter lacks come from the driver's (see fallback_path)."""
+    extra = os.environ.get("PARTITA_BENCH_FALLBACK_PATH")
+    if extra and extra not in sys.path:
+        sys.path.append(extra)
+
+
 def main() -> None:
+    use_fallback_path()
     args = parser().parse_args()
     fill_defaults(args, {"steps": 12, "warmup": 2, "seq": 2048, "batch": 4},
                   {"steps": 4, "warmup": 1, "seq": 32, "batch": 2})
@@ -305,7 +308,7 @@ def main() -> None:
         with open(args.result, "w") as f:
             json.dump(worker(args.worker, args), f)
         return
-    report = drive(args, forwarded(sys.argv[1:]), "lora_finetune", ["peft"])
+    report = drive(os.path.abspath(__file__), args, forwarded(sys.argv[1:]), "lora_finetune", ["peft"])
     report["shape"] = TINY if args.tiny else LLAMA3_8B
     report["settings"] = {"lora_r": 16, "lora_alpha": 32, "targets": LORA_TARGETS, "zero_stage": 3,
                           "precision": "fp32" if args.tiny else "bf16", "micro_batch": args.batch, "seq": args.seq,
