@@ -1,6 +1,6 @@
-"""FP8 weight all-gather at ZeRO-3 (partita/zero/fp8_gather.py): the wire's bytes against bf16's, the
-gathered weight against the single-process FP8 cast with the same scale, training against the FP8
-run with exact gathers, exact gathers outside units, checkpoints, and the refusals."""
+"""FP8 weight all-gather at ZeRO-3 (partita/zero/fp8_gather.py) on 2 and 4 gloo ranks: the wire's
+bytes against bf16's, the gathered weight against the single-process FP8 cast with the same scale,
+training against the FP8 run with exact gathers, checkpoints, and the refusals."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def _run(marked: bool, save: str | None = None, load: str | None = None) -> dict
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     losses = []
     for _ in range(STEPS):
-        x, y = torch.randn(MICRO, WIDTH, generator=g).to(torch.bfloat16), torch.randint(0, CLASSES, (MICRO,), generator=g)
+        x = torch.randn(MICRO, WIDTH, generator=g).to(torch.bfloat16)
+        y = torch.randint(0, CLASSES, (MICRO,), generator=g)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -133,7 +134,20 @@ def runs(tmp_path_factory) -> list[dict]:
     return run_distributed(_on_ranks, 2, str(tmp_path_factory.mktemp("fp8_gather")))
 
 
+def _on_four_ranks() -> dict:
+    return {"plain": _run(marked=False), "fp8": _run(marked=True)}
+
+
+@pytest.fixture(scope="module")
+def runs4() -> list[dict]:
+    return run_distributed(_on_four_ranks, 4)
+
+
 def test_fp8_weight_gathers_move_at_most_051x_of_bf16(runs) -> None:
+    _check_bytes(runs)
+
+
+def _check_bytes(runs: list[dict]) -> None:
     for rank in runs:
         plain, fp8 = rank["plain"]["bytes"], rank["fp8"]["bytes"]
         # The four block linears' weights go as FP8; the biases and the bf16 head stay in the exact gather.
@@ -145,6 +159,10 @@ def test_fp8_weight_gathers_move_at_most_051x_of_bf16(runs) -> None:
 
 
 def test_gathered_weight_equals_single_process_fp8_cast(runs) -> None:
+    _check_gathered(runs)
+
+
+def _check_gathered(runs: list[dict]) -> None:
     for rank in runs:
         seen, masters = rank["fp8"]["seen"], rank["fp8"]["masters"]
         for name, weight in seen.items():
@@ -158,6 +176,17 @@ def test_gathered_weight_equals_single_process_fp8_cast(runs) -> None:
 
 
 def test_training_tracks_fp8_with_exact_gathers(runs) -> None:
+    _check_losses(runs)
+
+
+def test_four_ranks(runs4) -> None:
+    # Smaller shards, the same whole-weight scale: the amax all-reduce spans four ranks.
+    _check_bytes(runs4)
+    _check_gathered(runs4)
+    _check_losses(runs4)
+
+
+def _check_losses(runs: list[dict]) -> None:
     # The Float8Linear casts the rebuilt weight again. Rebuilding (fp8 / scale, rounded to bf16) moves each
     # value by < 2^-9 relative, far inside e4m3's rounding interval (2^-4), so the cast lands on the very
     # FP8 values sent; only its scale can differ, by <= 2^-9 (the amax's bf16 rounding), and with it each
