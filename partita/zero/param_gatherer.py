@@ -39,6 +39,7 @@ inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer st
 
 [Note: rank divergence]: partita/zero/unit_sync.py. [Note: holds] (whole until a hold ends): holds.py.
 ZeRO++ qwZ (zero_quantized_weights): units' gathers travel as int8 blocks, see partita/zero/quantized_comm.py.
+fp8.all_gather: units' gathers of Float8Linear weights travel as FP8, see partita/zero/fp8_gather.py.
 
 [Note: where shards live]
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
