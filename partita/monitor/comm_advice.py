@@ -51,6 +51,8 @@ def compression_note(engine: Any) -> str | None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world < 2 or engine.config is None:
         return None  # one process: nothing travels and nothing is quantized
+    if engine.topology.is_model_parallel():
+        return None  # the plans model data parallelism only: tensor/pipeline traffic is not in them
     numel = sum(p.numel() for p in engine.module.parameters())
     plans = _plans(engine, numel, world)
     if plans is None:
