@@ -56,8 +56,8 @@ def _build(*, marked: bool, stage: int = 3) -> _Net:
     return model
 
 
-def _config() -> dict:
-    return {
+def _config(fp8: dict | None = None) -> dict:
+    return {**({"fp8": fp8} if fp8 else {}),
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
@@ -77,14 +77,23 @@ def _expected_gather(weight: torch.Tensor) -> torch.Tensor:
     return (fp8.to(torch.float32) / scale).to(weight.dtype)
 
 
-def _run(marked: bool, save: str | None = None, load: str | None = None) -> dict:
+# The same conversion and wire through the config: initialize converts the blocks and marks their weights.
+FP8_SECTION = {"enabled": True, "recipe": "tensorwise", "filter": ["blocks.*"], "keep_first_last_bf16": False,
+               "emulate": True, "all_gather": True}
+
+
+def _run(marked: bool, save: str | None = None, load: str | None = None, via_config: bool = False) -> dict:
     import torch.distributed as dist
 
     import partita
     from partita.monitor.comms_logger import COMMS_LOGGER
     from partita.zero import GatheredParameters
 
-    model = _build(marked=marked)
+    if via_config:
+        torch.manual_seed(0)
+        model = _Net()
+    else:
+        model = _build(marked=marked)
     masters = {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
     seen: dict[str, torch.Tensor] = {}
 
@@ -96,7 +105,7 @@ def _run(marked: bool, save: str | None = None, load: str | None = None) -> dict
             module.register_forward_pre_hook(lambda m, a, name=name: record(m, a, name))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, *_ = partita.initialize(model=model, config=_config())
+        engine, *_ = partita.initialize(model=model, config=_config(FP8_SECTION if via_config else None))
     if load is not None:
         engine.load_checkpoint(load, tag="t")
     COMMS_LOGGER.reset()
@@ -126,7 +135,8 @@ def _on_ranks(save_dir: str) -> dict:
     plain = _run(marked=False)
     fp8 = _run(marked=True, save=save_dir)
     resumed = _run(marked=False, load=save_dir)  # saved with the FP8 wire, loaded without it
-    return {"plain": plain, "fp8": fp8, "resumed_first": resumed["seen"], "saved_final": fp8["final"]}
+    config = _run(marked=True, via_config=True)
+    return {"plain": plain, "fp8": fp8, "resumed_first": resumed["seen"], "saved_final": fp8["final"], "config": config}
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +214,15 @@ def test_checkpoint_holds_the_exact_weights_and_resumes_without_fp8_gather(runs)
         resumed, saved = rank["resumed_first"], rank["saved_final"]
         for name in ("blocks.0.up.weight", "head.weight"):
             assert torch.equal(resumed[name], saved[name]), name
+
+
+def test_the_config_key_turns_the_fp8_wire_on(runs) -> None:
+    # "fp8": {..., "all_gather": true} converts and marks inside initialize: the same losses and bytes as the
+    # model converted and marked by hand.
+    for rank in runs:
+        assert rank["config"]["losses"] == rank["fp8"]["losses"]
+        assert rank["config"]["bytes"] == rank["fp8"]["bytes"]
+        assert rank["config"]["bytes"] != rank["plain"]["bytes"]
 
 
 def test_config_key_and_refusals() -> None:

@@ -88,6 +88,10 @@ def apply_fp8(model: nn.Module, config: Any, topology: Any, *, device: torch.dev
     chosen, skipped = select_fp8_linears(model, section)
     names = {name for name, _ in chosen}
     float8.convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda _m, fqn: fqn in names)
+    if section.all_gather:  # ZeRO-3 unit gathers send these weights as FP8 (partita/zero/fp8_gather.py)
+        from partita.zero.fp8_gather import mark_fp8_all_gather
+
+        mark_fp8_all_gather(model, zero_stage=config.zero_optimization.stage)
     _log_plan(section, [name for name, _ in chosen], skipped)
     if not config.compile.enabled:
         warnings.warn(
