@@ -160,6 +160,21 @@ def test_deepspeed_paths_forwards_name_where_each_export_is_defined() -> None:
     assert "`deepspeed.moe`" not in rows["partita.deepspeed_compat"][4]  # partita.moe exists: not refused
 
 
+def test_checkpointing_refusals_are_a_table_the_page_lists_and_both_import_forms_explain() -> None:
+    """partita.checkpointing refuses through its MISSING table (not a hard-coded __getattr__), so the
+    generated page lists the names and ``from ... import`` keeps the message instead of Python's own."""
+    import partita.checkpointing as checkpointing
+    from partita.runtime._missing import MissingDeepSpeedImport
+
+    assert set(checkpointing.MISSING) == {"get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"}
+    assert _path_rows()["partita.checkpointing"][4] == "`get_cuda_rng_tracker`, `model_parallel_cuda_manual_seed`"
+    with pytest.raises(NotImplementedError, match=r"^deepspeed\.checkpointing\.get_cuda_rng_tracker \(Megatron's.*\"seed\""):
+        checkpointing.get_cuda_rng_tracker
+    with pytest.raises(MissingDeepSpeedImport, match=r"^deepspeed\.checkpointing\.model_parallel_cuda_manual_seed "):
+        from partita.checkpointing import model_parallel_cuda_manual_seed  # noqa: F401
+    assert not hasattr(checkpointing, "no_such_name")  # other names: Python's plain AttributeError
+
+
 def test_a_changed_reexport_makes_the_deepspeed_paths_page_stale(monkeypatch) -> None:
     import partita.runtime.engine as shim
     from partita.zero import Init
