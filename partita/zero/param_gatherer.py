@@ -38,8 +38,8 @@ before. A unit's backward always ends with its gradient hooks (frozen parameters
 inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer step, with new values.
 
 [Note: rank divergence]: partita/zero/unit_sync.py. [Note: holds] (whole until a hold ends): holds.py.
-ZeRO++ qwZ (zero_quantized_weights): units' gathers travel as int8 blocks, see partita/zero/quantized_comm.py.
-fp8.all_gather: units' gathers of Float8Linear weights travel as FP8, see partita/zero/fp8_gather.py.
+Units' gathers travel exact, as int8 blocks (ZeRO++ qwZ, zero_quantized_weights) or, for Float8Linear
+weights with fp8.all_gather, as FP8: partita/zero/gather_wire.py picks the wire and issues the collective.
 
 [Note: where shards live]
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
@@ -66,10 +66,9 @@ from partita.zero.eval_prefetch import EvalPrefetch
 from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.gather_state import InFlight, ParamState
+from partita.zero.gather_wire import PURPOSE, Wire, start_all_gather, wire_of
 from partita.zero.holds import Holds
 from partita.zero.partition import ShardSpec
-from partita.zero.fp8_gather import is_fp8_gathered, start_fp8_all_gather
-from partita.zero.quantized_comm import start_quantized_all_gather
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
@@ -429,13 +428,11 @@ class ParameterGatherer:
             where = self._where.get(param)
             comm = self.frozen.comm if where is None else self._groups[where[0]].comm
             dtype = self.frozen.shard(param).dtype if where is None else self._groups[where[0]].model_dtype
-            wire = quantize and (self._quantize == "all" or (self._quantize == "frozen" and not param.requires_grad))
-            if quantize and is_fp8_gathered(param):  # fp8.all_gather: a Float8Linear weight (zero/fp8_gather.py)
-                wire = "fp8"
+            wire = wire_of(param, unit_gather=quantize, quantize_weights=self._quantize)
             by_comm.setdefault((id(comm), dtype, wire), (comm, []))[1].append(param)
         return [self._start_gather(part, comm, key[2]) for key, (comm, part) in by_comm.items()]
 
-    def _start_gather(self, params: list[nn.Parameter], comm=None, quantized: bool | str = False) -> int:
+    def _start_gather(self, params: list[nn.Parameter], comm=None, wire: Wire = False) -> int:
         # Trainable parameters' pieces first (from the storage), then frozen ones' (FrozenShards).
         params = [p for p in params if p in self._where] + [p for p in params if p not in self._where]
         pieces = [self._piece(p) for p in params if p in self._where]
@@ -449,33 +446,19 @@ class ParameterGatherer:
         # ordered without a host synchronisation (see partita/offload/param_offload.py).
         with storage.issue():
             local = fetch_pieces(storage, self.frozen, pieces, params[len(pieces):], column, self._device)
-            work = wire = None
             size, process_group = (self._world_size, self._process_group) if comm is None else (comm.size, comm.process_group)
-            if size == 1:
-                gathered = local.view(1, -1)
-            elif quantized == "fp8":
-                spans = [(col, self._spec(p).shard_numel) for p, col in zip(params, columns)]
-                work, gathered, wire = start_fp8_all_gather(local, spans, size=size, group=process_group,
-                                                            purpose="ZeRO-3 parameter all-gather")
-            elif quantized:
-                work, gathered, wire = start_quantized_all_gather(local, size=size, group=process_group,
-                                                                  purpose="ZeRO-3 parameter all-gather")
-            else:
-                gathered = torch.empty((size, column), dtype=local.dtype, device=local.device)
-                work = collectives.all_gather_into_tensor(
-                    gathered.view(-1), local, group=process_group, purpose="ZeRO-3 parameter all-gather",
-                    async_op=True,
-                )
+            spans = [(col, self._spec(p).shard_numel) for p, col in zip(params, columns)]
+            work, gathered, decoder = start_all_gather(local, spans, size=size, group=process_group, wire=wire)
             ready = storage.issued()
         ticket = next(self._tickets)
-        self._in_flight[ticket] = InFlight(work, gathered, params, columns, ready, wire)
+        self._in_flight[ticket] = InFlight(work, gathered, params, columns, ready, decoder)
         for param in params:
             self._in_flight_of[param] = ticket
         return ticket
 
     def _finish_gather(self, ticket: int) -> list[nn.Parameter]:
         flight = self._in_flight.pop(ticket)
-        collectives.wait(flight.work, purpose="ZeRO-3 parameter all-gather")
+        collectives.wait(flight.work, purpose=PURPOSE)
         self.storage.arrived(flight.ready, flight.gathered)
         gathered = flight.gathered if flight.quantized is None else flight.quantized.dequantize(flight.gathered)
         for param, col in zip(flight.params, flight.columns):
