@@ -21,10 +21,14 @@ output, the whole reduce-scatter input, one rank's whole all-to-all input):
 - all-to-all: ``ranks_per_node * message * (nodes-1)/nodes``: every byte is meant for one rank,
   nothing can be combined on the way, so each of the node's ranks sends its own off-node share.
 
-The last line is why a single-hop quantized all-to-all (partita's qgZ, 1-bit Adam's exchange)
-saves less between nodes than its message size says: int4 gradients are 1/4 of bf16's message,
-but at 8 ranks per node the node sends 8 shares of them, 2x a bf16 reduce-scatter's bytes.
-DeepSpeed's qgZ reduces inside the node first (a two-hop all-to-all) for this reason.
+The last line is why a single-hop quantized all-to-all (1-bit Adam's exchange, qgZ on one rank
+per node or over a sub-group) saves less between nodes than its message size says: int4
+gradients are 1/4 of bf16's message, but at 8 ranks per node the node sends 8 shares of them,
+2x a bf16 reduce-scatter's bytes. qgZ across nodes therefore goes in two hops
+(partita/zero/hierarchical_reduce.py), as DeepSpeed's does: an all-to-all inside each node
+(``within_node``: no byte leaves the node) and one among the ranks of equal local index, one per
+node, whose message is one row per node. Its off-node bytes follow from the line above with
+that smaller message: 1/ranks_per_node of the one-hop all-to-all's.
 
 [Note: quantize cost]
 Quantizing and dequantizing are memory-bound passes in plain torch ops. The cost is modelled as
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 
 from partita.monitor.comms_logger import bus_factor
 from partita.optim.onebit_comm import packed_row_bytes
+from partita.zero.hierarchical_reduce import uses_two_hop
 from partita.zero.quantized_comm import RowFormat
 
 BANDWIDTHS_GBPS = (100, 200, 400, 800)
@@ -64,6 +69,7 @@ class Collective:
     quantized: int = 0  # elements quantized (per call)
     dequantized: int = 0  # elements dequantized (per call)
     sign_coded: int = 0  # elements 1-bit compressed or decoded (per call)
+    within_node: bool = False  # its group is one node's ranks: nothing leaves the node (two-hop qgZ's hop 1)
 
 
 def _nodes(world: int, ranks_per_node: int) -> int:
@@ -86,8 +92,9 @@ def inter_node_bytes(op: str, message_bytes: float, *, world: int, ranks_per_nod
 
 def step_inter_node_bytes(collectives: list[Collective], *, world: int, ranks_per_node: int) -> float:
     """Bytes one node sends off the node per step."""
+    _nodes(world, ranks_per_node)  # the same check with or without a collective that leaves the node
     return sum(c.count * inter_node_bytes(c.op, c.message_bytes, world=world, ranks_per_node=ranks_per_node)
-               for c in collectives)
+               for c in collectives if not c.within_node)
 
 
 def transfer_seconds(collectives: list[Collective], *, world: int, ranks_per_node: int, gbps: float) -> float:
@@ -133,11 +140,13 @@ def sweep(compute_s: float, collectives: list[Collective], *, world: int, ranks_
 
 # ---------------------------------------------------------------------- analytic bytes per step
 def zero3_collectives(numel: int, world: int, *, weight_bits: int | None = None, grad_bits: int | None = None,
-                      gathers: int = 2, dtype_bytes: int = 2) -> list[Collective]:
+                      gathers: int = 2, dtype_bytes: int = 2, ranks_per_node: int | None = None) -> list[Collective]:
     """One ZeRO-3 step's parameter all-gathers and gradient reduction for ``numel`` elements in one
     flat unit (padded to a multiple of ``world``, as partita shards it). ``gathers``: all-gathers
     per step (2: forward and backward re-gather; 1 when the unit stays gathered through backward).
-    ``weight_bits=8``: qwZ; ``grad_bits`` 4 or 8: qgZ. The wire rows are quantized_comm's own."""
+    ``weight_bits=8``: qwZ; ``grad_bits`` 4 or 8: qgZ. The wire rows are quantized_comm's own.
+    ``ranks_per_node``: qgZ's all-to-all goes in two hops where partita's does (several nodes of
+    several ranks: hierarchical_reduce.uses_two_hop); None models the one-hop all-to-all."""
     shard = math.ceil(numel / world)
     if weight_bits is None:
         gather = Collective("all_gather_into_tensor", "ZeRO-3 parameter all-gather", world * shard * dtype_bytes, gathers)
@@ -147,6 +156,15 @@ def zero3_collectives(numel: int, world: int, *, weight_bits: int | None = None,
                             gathers, quantized=shard, dequantized=world * shard)
     if grad_bits is None:
         reduce = Collective("reduce_scatter_tensor", "gradient reduction", world * shard * dtype_bytes)
+    elif ranks_per_node is not None and uses_two_hop(world, ranks_per_node):
+        # Hop 1 sends and receives one row per rank inside the node; hop 2 one row per node
+        # (each node's fp32 partial, re-quantized), among the ranks of one local index.
+        row, nodes = RowFormat(shard, grad_bits).row_bytes, world // ranks_per_node
+        return [gather,
+                Collective("all_to_all_single", f"int{grad_bits} intra-node gradient reduction", world * row,
+                           quantized=world * shard, dequantized=world * shard, within_node=True),
+                Collective("all_to_all_single", f"int{grad_bits} inter-node gradient reduction", nodes * row,
+                           quantized=nodes * shard, dequantized=nodes * shard)]
     else:
         row = RowFormat(shard, grad_bits).row_bytes
         reduce = Collective("all_to_all_single", f"int{grad_bits} gradient reduction", world * row,
@@ -190,7 +208,7 @@ def compression_verdict(plain: list[Collective], compressed: list[Collective], *
              - coding_seconds(plain, memory_gbytes_per_s=memory_gbytes_per_s))
     if saved > added:
         return None
-    if saved <= 0:  # a single-hop all-to-all sends every rank's share off the node ([Note: inter-node bytes])
+    if saved <= 0:  # a one-hop all-to-all sends every rank's share off the node ([Note: inter-node bytes])
         kw = dict(world=world, ranks_per_node=ranks_per_node)
         return (f"between nodes ({nodes} nodes of {ranks_per_node} ranks) it sends "
                 f"{step_inter_node_bytes(compressed, **kw) / 1e9:.3g} GB off each node per step against "

@@ -1,5 +1,8 @@
 """ZeRO++ on the wire: block-wise int8/int4 weight all-gathers (qwZ) and gradient reduce-scatters (qgZ).
 
+The wire format and the one-hop gradient all-to-all live here; the two-hop (node, then
+cross-node) gradient reduce-scatter that builds on them is partita/zero/hierarchical_reduce.py.
+
 [Note: the wire format]
 A tensor is cut into blocks of ``BLOCK`` elements; each block is sent as one fp32 scale
 (its largest magnitude / qmax) and its elements rounded to the nearest multiple of the scale:
@@ -169,6 +172,9 @@ class QuantizedReduceScatter:
     numel: int
     bits: int
 
+    def advance(self) -> None:
+        """Nothing to do between launch and reduce: one hop (the two-hop kind launches its second hop here)."""
+
     def reduce(self) -> torch.Tensor:
         """This rank's chunk summed over every rank, in fp32 (each contribution dequantized first,
         one rank's at a time, in rank order: the same sum on every run)."""
@@ -183,7 +189,8 @@ def start_quantized_reduce_scatter(
 ) -> tuple[dist.Work | None, QuantizedReduceScatter]:
     """Reduce-scatter ``packed`` (size, n) (row r goes to rank r) through one all-to-all of
     quantized rows; the sum happens in fp32 at the receiver, after dequantization, so no
-    partial sum is ever re-quantized (DeepSpeed's two-hop qgZ re-quantizes between its hops)."""
+    partial sum is ever re-quantized. Across nodes the reducer uses the two-hop form instead
+    (partita/zero/hierarchical_reduce.py), which re-quantizes each node's partial sum once."""
     send = encode_rows(packed, bits)
     received = torch.empty_like(send)
     work = collectives.all_to_all_single(received.view(-1), send.view(-1), group=group,

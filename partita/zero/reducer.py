@@ -47,6 +47,7 @@ from partita.distributed import collectives
 from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.shard_group import ShardComm, ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
+from partita.zero.hierarchical_reduce import TwoHopReduceScatter, build_node_groups, start_two_hop_reduce_scatter
 from partita.zero.quantized_comm import QuantizedReduceScatter, start_quantized_reduce_scatter
 
 
@@ -86,7 +87,8 @@ class _ReduceBucket:
     work: dist.Work | None = None
     output: torch.Tensor | None = None
     in_place_works: list = field(default_factory=list)  # in-place mode: one all-reduce per run
-    quantized: QuantizedReduceScatter | None = None  # ZeRO++ qgZ in flight: gives ``output`` once waited for
+    # ZeRO++ qgZ in flight: gives ``output`` once waited for.
+    quantized: QuantizedReduceScatter | TwoHopReduceScatter | None = None
 
 
 def num_shards_of(groups: list[ShardedParamGroup]) -> int:
@@ -129,6 +131,10 @@ class GradientReducer:
         self._groups = groups
         # ZeRO++ qgZ: reduce-scatters go as an all-to-all of 4- or 8-bit blocks, summed in fp32 (quantized_comm.py).
         self._quantized_bits = quantized_gradient_bits
+        # Across nodes, qgZ reduces inside each node first (hierarchical_reduce.py); its process
+        # groups are made here, once, by every rank in one order. None: one hop.
+        self._node_groups = (build_node_groups(process_group, world_size)
+                             if quantized_gradient_bits is not None else None)
         # One rank, offloaded groups: send each gradient to the host as backward makes it
         # instead of after backward (on one H200 with GPT-1.3B: backward 278 -> ~207 ms). It
         # once made the exact (non-delayed) step slower: its uploads then waited for staging
@@ -358,8 +364,20 @@ class GradientReducer:
             bucket.work = collectives.all_reduce(packed, group=process_group, purpose=purpose, async_op=True)
             bucket.output = packed[0] if bucket.num_shards == 1 else packed[bucket.shard_rank]
         elif self._quantized_bits is not None:
-            bucket.work, bucket.quantized = start_quantized_reduce_scatter(
-                packed, bits=self._quantized_bits, group=process_group, purpose=purpose)
+            two_hop = (self._node_groups is not None and process_group is self._process_group
+                       and bucket.comm.size == self._world_size)  # not an expert-data sub-group
+            if two_hop:
+                bucket.work, bucket.quantized = start_two_hop_reduce_scatter(
+                    packed, bits=self._quantized_bits, groups=self._node_groups, purpose=purpose)
+            else:
+                bucket.work, bucket.quantized = start_quantized_reduce_scatter(
+                    packed, bits=self._quantized_bits, group=process_group, purpose=purpose)
+            if self._next_launch and self._buckets[self._next_launch - 1].quantized is not None:
+                # Two hops: the previous bucket's hop 1 has had a bucket's backward to finish; its
+                # inter-node hop goes now, not at its retirement, so it too overlaps with backward.
+                self._buckets[self._next_launch - 1].quantized.advance()
+            if not self._overlap_comm:
+                bucket.output, bucket.quantized = bucket.quantized.reduce(), None  # both hops, before backward goes on
         else:
             bucket.output = torch.empty(bucket.shard_numel, dtype=packed.dtype, device=packed.device)
             bucket.work = collectives.reduce_scatter_tensor(
