@@ -20,9 +20,18 @@ and MLP) and the fixed-segment allocator. Designed for one H200 within about 6 m
     python benchmarks/estimator_accuracy_gpu.py --settings s0_125m_mb64,s3_350m_frozen --out $OUT/a.json
     python benchmarks/estimator_accuracy_gpu.py --cpu-dry-run --out /tmp/dry.json   # CPU, tiny shapes
 
-``--cpu-dry-run`` runs the same path on CPU (gloo, fp32, each setting's features at a tiny GPT
-shape): the prediction, the engine, the steps and the JSON, with ``null`` for the CUDA counters.
-Goal (issue 32): every reserved prediction within 5% of the measurement.
+``--cpu-dry-run`` (or ``--tiny``) runs the same path on CPU (gloo, fp32, each setting's features at a
+tiny GPT shape): the prediction, the engine, the steps and the JSON, with ``null`` for the CUDA counters.
+
+The last four settings run ``examples/train_gpt.py``'s loop, the one whose ``partita tune`` trials ran
+out of memory at micro-batch 128 (an evaluation forward first, the previous logits held through the
+next forward): each habit alone at micro-batch 64, then both at the largest micro-batches the tuner
+launches on an H200. Each row carries the tuner's guard (``partita.autotune.tuner.guard_bytes``),
+whether the tuner would launch the point, and, for an out-of-memory error, the allocator's figures
+(``partita.autotune.runner.oom_figures``); ``summary.over_tune_guard`` lists launched points that ran
+out of memory or reserved more than the guard.
+Goal (issue 32): every reserved prediction within 5% of the measurement; no launched point over the
+tuner's guard.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from output_paths import output_file  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 GOAL = 0.05
+TUNE_HEADROOM = 0.95  # partita tune --headroom 0.05 (partita/autotune/cli.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,11 @@ class Setting:
     mlp_tile_tokens: int | None = None
     alloc_conf: str = "expandable_segments:True"
     vocab: int = 50304
+    # examples/train_gpt.py's loop, the one partita tune's out-of-memory trials ran: an evaluation
+    # forward (no_grad) of one micro-batch before training (``evaluate``, --eval-batches 1), and the
+    # previous step's logits kept through the next forward (``logits, loss = engine(x, y)``, no del).
+    eval_first: bool = False
+    hold_logits: bool = False
     extra: dict = field(default_factory=dict)
 
     def tiny(self) -> Setting:
@@ -87,6 +102,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("s2_1.3b_mb2", 2048, 24, 16, 2048, 2, 2),
     Setting("s3_1.3b_mb4_every", 2048, 24, 16, 2048, 3, 4, "every"),
     Setting("s0_1.3b_mb1_every", 2048, 24, 16, 2048, 0, 1, "every"),
+    # The tune sweep's pattern: s0_125m_mb64 under examples/train_gpt.py's loop, one habit at a time,
+    # then both at the largest micro-batch partita tune launches on an H200 at stages 0 and 3 (guards 125.9/126.1 GiB <
+    # against 132.8 GiB; 120 is pruned): an out-of-memory error there is a tune sweep that would fail.
+    Setting("s0_125m_mb64_eval", 768, 12, 12, 1024, 0, 64, eval_first=True),
+    Setting("s0_125m_mb64_held", 768, 12, 12, 1024, 0, 64, hold_logits=True),
+    Setting("s0_125m_mb112_example", 768, 12, 12, 1024, 0, 112, eval_first=True, hold_logits=True),
+    Setting("s3_125m_mb112_example", 768, 12, 12, 1024, 3, 112, eval_first=True, hold_logits=True),
 )
 
 
@@ -170,24 +192,40 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
     y = torch.randint(0, s.vocab, (s.micro_batch, s.seq_len), device=device, generator=gen)
     status, losses, start = "ok", [], time.perf_counter()
     try:
+        if s.eval_first:  # examples/train_gpt.py's evaluate(): a no_grad forward, its outputs dropped
+            engine.eval()
+            with torch.no_grad():
+                engine(x, y)
+            engine.train()
         for _ in range(steps):
             logits, loss = engine(x, y)  # the logits held until backward, as the estimate assumes
             engine.backward(loss)
             engine.step()
-            losses.append(float(loss))
-            del logits, loss
+            losses.append(float(loss.detach()))
+            if not s.hold_logits:  # the example keeps them until the next forward returns
+                logits = loss = None
+        logits = loss = None
         if cuda:
             torch.cuda.synchronize()
     except torch.OutOfMemoryError as error:
+        from partita.autotune.runner import oom_figures
+
         status = "oom: " + str(error).splitlines()[0][:200]
+        oom = oom_figures(str(error))  # requested, allocated, cached but unusable, capacity (bytes)
+    else:
+        oom = None
     predicted_alloc, predicted_res = estimate.peak_accelerator, estimate.reserved_accelerator
+    from partita.autotune.tuner import guard_bytes
+
+    guard = guard_bytes(estimate)  # what partita tune requires free for this point
     row: dict[str, Any] = {
         "setting": s.name, "status": status, "fold": fold, "steps": len(losses), "losses": losses,
         "seconds": time.perf_counter() - start, "config": cfg, "alloc_conf": s.alloc_conf,
         "predicted": {"allocated_gib": predicted_alloc / GIB, "reserved_gib": predicted_res / GIB,
                       "phase": estimate.peak("accelerator")[1],
-                      "reserved_parts": estimate.reserved.to_dict() if estimate.reserved else None},
-        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+                      "reserved_parts": estimate.reserved.to_dict() if estimate.reserved else None,
+                      "tune_guard_gib": guard / GIB},
+        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, "oom": oom,
     }
     if cuda:
         stats = torch.cuda.memory_stats()
@@ -196,7 +234,10 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
                            "num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0),
                            "inactive_split_peak_gib": stats.get("inactive_split_bytes.all.peak", 0) / GIB,
                            "snapshot": _snapshot_summary()}
-        row["error"] = {"allocated": predicted_alloc / allocated - 1.0, "reserved": predicted_res / reserved - 1.0}
+        row["error"] = {"allocated": predicted_alloc / allocated - 1.0, "reserved": predicted_res / reserved - 1.0,
+                        "tune_guard": guard / reserved - 1.0}
+        # partita tune's budget on this GPU (the device's memory less its default 5% headroom).
+        row["tune_launches"] = guard <= TUNE_HEADROOM * torch.cuda.get_device_properties(device).total_memory
     else:
         row["measured"], row["error"] = None, None
     dist.destroy_process_group()
@@ -232,6 +273,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "within_goal_reserved": sum(abs(r["error"]["reserved"]) <= GOAL for r in measured),
             "under_predicted_reserved": [r["setting"] for r in measured if r["error"]["reserved"] < 0],
             "worst_abs_error": worst, "oom": [r["setting"] for r in rows if str(r.get("status", "")).startswith("oom")],
+            # partita tune would launch these, and they ran out of memory or reserved more than its guard.
+            "over_tune_guard": [r["setting"] for r in measured if r.get("tune_launches") and (
+                r["error"].get("tune_guard", 0.0) < 0 or str(r.get("status", "")).startswith("oom"))],
             "not_ok": [r["setting"] for r in rows if r.get("status") != "ok"]}
 
 
@@ -240,7 +284,8 @@ def _print_row(r: dict[str, Any]) -> None:
     if m:
         print(f"{r['setting']:<24} {r['status']:<4} alloc {m['allocated_gib']:7.2f} (est {p['allocated_gib']:7.2f}, "
               f"{r['error']['allocated']:+.3f})  reserved {m['reserved_gib']:7.2f} (est {p['reserved_gib']:7.2f}, "
-              f"{r['error']['reserved']:+.3f})", flush=True)
+              f"{r['error']['reserved']:+.3f})  tune guard {p['tune_guard_gib']:7.2f} "
+              f"({'launched' if r.get('tune_launches') else 'pruned'})", flush=True)
     elif p:
         print(f"{r['setting']:<24} {r['status']:<4} est alloc {p['allocated_gib']:.4f} GiB, reserved "
               f"{p['reserved_gib']:.4f} GiB ({r['steps']} steps, losses {r['losses']})", flush=True)
@@ -255,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per setting (default 3)")
     parser.add_argument("--budget-s", type=float, default=330.0, help="no setting starts after this (default 330)")
     parser.add_argument("--timeout-s", type=int, default=150, help="seconds per setting (default 150)")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="CPU, gloo, fp32, tiny shapes: the same code path")
+    parser.add_argument("--cpu-dry-run", "--tiny", dest="cpu_dry_run", action="store_true",
+                        help="CPU, gloo, fp32, tiny shapes: the same code path (a smoke run)")
     parser.add_argument("--out", type=output_file, default=None, help="JSON written after every setting")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -245,7 +245,42 @@ def test_a_trial_that_runs_out_of_memory_is_recorded_as_oom(tmp_path: Path, monk
         monkeypatch.setenv(name, value)
     outcome = run_trial(folder=tmp_path / "t", config=BASE, script=str(script), script_args=[], nproc=2, steps=3)
     assert (outcome.status, outcome.error) == ("oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert json.loads((tmp_path / "t" / "config.json").read_text()) == BASE and outcome.result == {}
+    assert json.loads((tmp_path / "t" / "config.json").read_text()) == BASE
+    assert outcome.result == {"oom_requested_bytes": 2 * 2**30}  # the one figure that message prints
+
+
+# What torch 2.x printed for the tune trial that ran out of memory (GPT-2 124M, micro-batch 128, one H200).
+_TORCH_OOM = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 24.56 GiB. GPU 0 has a total "
+              "capacity of 139.81 GiB of which 1.05 GiB is free. Including non-PyTorch memory, this process has "
+              "138.75 GiB memory in use. Of the allocated memory 98.60 GiB is allocated by PyTorch, and 15.70 GiB is "
+              "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def test_oom_figures_are_kept_in_the_record() -> None:
+    """The allocator's figures of an out-of-memory trial (what fragmentation cost) land in the record's
+    metrics and lead its note; older torch's "capacty" and "0 bytes" parse too; no message: none."""
+    from partita.autotune.runner import TrialOutcome, oom_figures
+    from partita.autotune.space import TrialPoint
+    from partita.autotune.tuner import _record
+
+    gib = 2**30
+    figures = oom_figures("step 1\n" + _TORCH_OOM + "\nE1201 failed\n")
+    assert figures == {"oom_requested_bytes": int(24.56 * gib), "oom_capacity_bytes": int(139.81 * gib),
+                       "oom_free_bytes": int(1.05 * gib), "oom_allocated_bytes": int(98.60 * gib),
+                       "oom_cached_bytes": int(15.70 * gib)}
+    old = oom_figures("Tried to allocate 5.96 GiB. GPU 0 has a total capacty of 23.69 GiB of which 5.25 GiB is free. "
+                      "Of the allocated memory 17.88 GiB is allocated by PyTorch, and 0 bytes is reserved by PyTorch "
+                      "but unallocated.")
+    assert old["oom_capacity_bytes"] == int(23.69 * gib) and old["oom_cached_bytes"] == 0
+    assert oom_figures("RuntimeError: DataLoader worker (pid 7) is killed: Cannot allocate memory") == {}
+    point = TrialPoint(stage=0, micro_batch=128, gradient_accumulation_steps=1, checkpointing="none", offload="none",
+                       world_size=1)
+    record = _record(point, TrialOutcome("oom", 9.0, figures, "torch.OutOfMemoryError: CUDA out of memory."), 130e9,
+                     reused=False)
+    assert record.status == "oom" and record.metrics["oom_cached_bytes"] == int(15.70 * gib)
+    assert record.note == ("asked 24.6 GiB, allocated 98.6 GiB, cached unusable 15.7 GiB, of 140 GiB: "
+                           "torch.OutOfMemoryError: CUDA out of memory.")
 
 
 def test_error_lines_are_found_in_torchrun_logs() -> None:

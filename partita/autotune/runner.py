@@ -25,9 +25,20 @@ from typing import Any
 
 from partita.autotune.trial_env import OVERRIDE_ENV, REPORT_ENV, STEPS_ENV
 
-__all__ = ["TrialOutcome", "run_trial"]
+__all__ = ["TrialOutcome", "oom_figures", "run_trial"]
 
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory|Cannot allocate memory|std::bad_alloc")
+# torch's CUDA out-of-memory message (c10/cuda/CUDACachingAllocator.cpp, format_size's units): each
+# figure read on its own, so a torch that words the rest differently still yields the ones it prints.
+_SIZE = r"([0-9]+(?:\.[0-9]+)?) (bytes|KiB|MiB|GiB|TiB)"
+_UNIT = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_OOM_FIGURES = {
+    "oom_requested_bytes": re.compile(r"Tried to allocate " + _SIZE),
+    "oom_capacity_bytes": re.compile(r"total capac\w* of " + _SIZE),
+    "oom_free_bytes": re.compile(r"of which " + _SIZE + r" is free"),
+    "oom_allocated_bytes": re.compile(_SIZE + r" is allocated by PyTorch"),
+    "oom_cached_bytes": re.compile(_SIZE + r" is reserved by PyTorch but unallocated"),
+}
 _ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)$")
 # Another launcher's layout must not turn a single-node trial into part of a cluster job.
 _LAYOUT_PREFIXES = ("PET_", "SLURM_", "JOBSET_", "TORCHELASTIC_")
@@ -49,6 +60,23 @@ def _trial_env(config_path: Path, report_path: Path, steps: int) -> dict[str, st
     env[REPORT_ENV] = str(report_path)
     env[STEPS_ENV] = str(steps)
     return env
+
+
+def oom_figures(log: str) -> dict[str, int]:
+    """The figures of the last CUDA out-of-memory message in ``log``, in bytes: what was requested, the
+    device's capacity and free memory, what PyTorch had allocated and what it held cached but could
+    not use (reserved but unallocated: the fragmentation that made the request fail). Kept in the
+    trial's record so a sweep's failures can recalibrate the tuner's guard (partita/autotune/tuner.py)."""
+    start = log.rfind("Tried to allocate")
+    if start < 0:
+        return {}
+    text = log[start:].split("\n", 1)[0]
+    found = {}
+    for name, pattern in _OOM_FIGURES.items():
+        match = pattern.search(text)
+        if match:
+            found[name] = int(float(match.group(1)) * _UNIT[match.group(2)])
+    return found
 
 
 def _last_error(log: str) -> str:
@@ -96,7 +124,7 @@ def run_trial(
     if code == 0 and report_path.exists():
         return TrialOutcome("ok", seconds, result=json.loads(report_path.read_text()))
     if _OOM.search(text):
-        return TrialOutcome("oom", seconds, error=_last_error(text))
+        return TrialOutcome("oom", seconds, result=oom_figures(text), error=_last_error(text))
     if code == 0:
         return TrialOutcome(
             "failed", seconds,

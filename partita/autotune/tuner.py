@@ -30,7 +30,7 @@ from partita.autotune.config import AutotuningConfig
 from partita.autotune.runner import TrialOutcome, run_trial
 from partita.autotune.space import TrialPoint, micro_batch_candidates, points
 
-__all__ = ["CSV_COLUMNS", "TrialRecord", "TuneOptions", "best_record", "tune"]
+__all__ = ["CSV_COLUMNS", "TrialRecord", "TuneOptions", "best_record", "guard_bytes", "tune"]
 
 _GIB = float(2**30)
 CSV_COLUMNS = ("trial", "zero_stage", "micro_batch", "gradient_accumulation_steps", "train_batch_size",
@@ -133,16 +133,24 @@ class _Estimator:
         )
         # Reserved, not allocated: a trial fails when the caching allocator cannot reserve a request,
         # and its rounding and fragmentation come on top of the tensors (partita/estimate/allocator.py).
-        estimate = estimate_memory(self._info, setup)
-        if self._allocator == "none":
-            return float(estimate.reserved_accelerator)
-        # The one tune trial on record that ran out of memory (GPT-2 124M, micro-batch 128) left 16% of
-        # its non-state bytes cached and unusable, three times what the fitted model predicts from the
-        # benchmark's loop; until tune trials record snapshots, the tuner keeps that envelope.
-        from partita.estimate.allocator_calibration import tune_fraction
+        return float(guard_bytes(estimate_memory(self._info, setup)))
 
-        envelope = estimate.peak_accelerator + tune_fraction() * (estimate.peak_accelerator - estimate.model_states())
-        return float(max(estimate.reserved_accelerator, envelope))
+
+def guard_bytes(estimate) -> int:
+    """Accelerator bytes per rank the tuner requires free for a trial of ``estimate`` (a
+    ``partita.estimate.MemoryEstimate``): its predicted reserved memory, raised to the envelope of the
+    one tune trial on record that ran out of memory. That trial (GPT-2 124M, micro-batch 128, the
+    example script's loop) left 16% of its non-state bytes cached and unusable, three times what the
+    fitted model predicts from the benchmark's loop; until tune trials record snapshots the tuner keeps
+    that envelope. No caching allocator (CPU): the tensor bytes.
+    ``benchmarks/estimator_accuracy_gpu.py`` reports this guard next to each measurement."""
+    if estimate.reserved is None or estimate.reserved.model.kind == "none":
+        return estimate.reserved_accelerator
+    from partita.estimate.allocator_calibration import tune_fraction
+
+    peak = estimate.peak_accelerator
+    envelope = peak + tune_fraction() * (peak - estimate.model_states())
+    return int(max(estimate.reserved_accelerator, envelope))
 
 
 def _plan(opts: TuneOptions) -> tuple[list[TrialPoint], list[TrialRecord]]:
@@ -284,4 +292,11 @@ def _record(point: TrialPoint, outcome: TrialOutcome, estimate: float | None, *,
     if samples:
         metrics["step_seconds"] = point.train_batch_size / samples
     note = outcome.error + (" (result reused: overwrite false)" if reused else "")
+    if outcome.status == "oom" and "oom_requested_bytes" in metrics:
+        # The allocator's own figures first (the table shows a note's start): what fragmentation cost.
+        figures = [f"asked {metrics['oom_requested_bytes'] / _GIB:.3g} GiB"]
+        figures += [f"{what} {metrics[key] / _GIB:.3g} GiB" for key, what in (
+            ("oom_allocated_bytes", "allocated"), ("oom_cached_bytes", "cached unusable"),
+            ("oom_capacity_bytes", "of")) if key in metrics]
+        note = ", ".join(figures) + ": " + note
     return TrialRecord(point, outcome.status, estimate, outcome, note.strip(), metrics)
