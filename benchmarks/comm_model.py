@@ -9,7 +9,9 @@ counted bytes of a real run). Compute per step = tokens per rank / a measured ra
 per H200 for GPT-1.3B (micro-batch 1 x 2048 tokens, one GPU, 2026-12-01 report,
 memory_breakdown_stream_final2_mb1_h200_2026-12-01.json). The quantize cost assumes 3,000 GB/s of
 achieved memory bandwidth. Each row gives both bounds: no overlap (compute + coding + transfer)
-and full overlap (max of the two).
+and full overlap (max of the two). qgZ is modelled in two hops across nodes, as partita runs it
+(an all-to-all inside each node, then one between nodes); the "one hop" row is the single
+all-to-all a reduce over a sub-group still uses.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ def gpt_1_3b_params() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def plans(numel: int, world: int) -> dict[str, list[cm.Collective]]:
+def plans(numel: int, world: int, ranks_per_node: int) -> dict[str, list[cm.Collective]]:
+    # qgZ as partita runs it: two hops across nodes (partita/zero/hierarchical_reduce.py). The one-hop
+    # row is what a reduce over a sub-group, or the code before two hops, sends.
     return {
         "ZeRO-3": cm.zero3_collectives(numel, world),
         "ZeRO-3 + qwZ": cm.zero3_collectives(numel, world, weight_bits=8),
-        "ZeRO-3 + qwZ + qgZ (int4)": cm.zero3_collectives(numel, world, weight_bits=8, grad_bits=4),
+        "ZeRO-3 + qgZ (int4)": cm.zero3_collectives(numel, world, grad_bits=4, ranks_per_node=ranks_per_node),
+        "ZeRO-3 + qwZ + qgZ (int4)": cm.zero3_collectives(numel, world, weight_bits=8, grad_bits=4,
+                                                          ranks_per_node=ranks_per_node),
+        "ZeRO-3 + qwZ + qgZ (int4, one hop)": cm.zero3_collectives(numel, world, weight_bits=8, grad_bits=4),
         "ZeRO-0 AdamW": cm.data_parallel_collectives(numel, world, stage=0),
         "ZeRO-0 OneBitAdam (compressed)": cm.data_parallel_collectives(numel, world, stage=0, onebit=True),
         "ZeRO-2 OneBitAdam (compressed)": cm.data_parallel_collectives(numel, world, stage=2, onebit=True),
@@ -48,7 +55,7 @@ def table(tokens_per_rank: int, ranks_per_node: int) -> dict:
     compute = tokens_per_rank / TOKENS_PER_S
     rows = []
     for world in (8, 64):
-        for name, plan in plans(numel, world).items():
+        for name, plan in plans(numel, world, ranks_per_node).items():
             node_bytes = cm.step_inter_node_bytes(plan, world=world, ranks_per_node=ranks_per_node)
             coding = cm.coding_seconds(plan, memory_gbytes_per_s=MEMORY_GBYTES_PER_S)
             times = cm.sweep(compute, plan, world=world, ranks_per_node=ranks_per_node,

@@ -188,3 +188,23 @@ def test_comm_model_two_hop_plan() -> None:
     # One node, or one rank per node: one hop, as the reducer does.
     assert cm.zero3_collectives(numel, 8, grad_bits=4, ranks_per_node=8) == cm.zero3_collectives(numel, 8, grad_bits=4)
     assert cm.zero3_collectives(numel, 8, grad_bits=4, ranks_per_node=1) == cm.zero3_collectives(numel, 8, grad_bits=4)
+
+
+def test_step_log_no_longer_warns_about_qgz_across_nodes(monkeypatch) -> None:
+    # The step log's check (comm_advice.compression_note) for GPT-1.3B's parameter count at 64 GPU ranks,
+    # 8 per node (torchrun's LOCAL_WORLD_SIZE): with two hops, qwZ + qgZ pays at 100 Gbps, so no line.
+    from types import SimpleNamespace
+
+    from partita.config import load_config
+    from partita.monitor import comm_advice
+
+    config = load_config({"train_batch_size": 64, "zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}})
+    engine = SimpleNamespace(config=config, topology=SimpleNamespace(is_model_parallel=lambda: False),
+                             module=SimpleNamespace(parameters=lambda: [torch.empty(1_315_819_520, device="meta")]),
+                             device=torch.device("cuda"))
+    monkeypatch.setattr(comm_advice, "dist", SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 64))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert comm_advice.compression_note(engine) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # the same job on one (imaginary) node still gets its line
+    assert "all 64 ranks are on one node" in comm_advice.compression_note(engine)
