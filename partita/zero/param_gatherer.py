@@ -72,8 +72,8 @@ from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
 from partita.zero.unit_trace import Phase, TraceState, UnitTrace
-from partita.zero.units import (GatherBeforeBackward, ReleaseAfterBackward, find_units, in_backward_pass, is_inside,
-                                through_function, unit_names)
+from partita.zero.unit_owner import assign_units
+from partita.zero.units import GatherBeforeBackward, ReleaseAfterBackward, in_backward_pass, through_function, unit_names
 
 class ParameterGatherer:
     """Owns the sharded parameters of stage 3: their low-precision shards, gathering, freeing."""
@@ -183,24 +183,9 @@ class ParameterGatherer:
             self._hooks.append(register_weak_grad_hook(param, self._release_one))
 
     # ------------------------------------------------------------------ setup
-    def _assign_units(self, model: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
-        units = find_units(model)
-        owner: dict[nn.Parameter, nn.Module] = {}
-        for unit in units:  # outermost first: inner units overwrite
-            for param in unit.parameters():
-                managed = param in self._where or (self.frozen is not None and param in self.frozen)
-                if managed and param not in self.persistent:
-                    owner[param] = unit
-        # A parameter reachable from two different non-root units (tied across blocks)
-        # goes to the root, which stays gathered through forward and backward.
-        for unit in units[1:]:
-            for param in unit.parameters():
-                if owner.get(param) is not None and owner[param] is not unit and not is_inside(owner[param], unit):
-                    owner[param] = model
-        result: dict[nn.Module, list[nn.Parameter]] = {unit: [] for unit in units}
-        for param, unit in owner.items():
-            result[unit].append(param)
-        return result
+    def _assign_units(self, model: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:  # rule: zero/unit_owner.py
+        frozen = self.frozen if self.frozen is not None else ()
+        return assign_units(model, lambda p: (p in self._where or p in frozen) and p not in self.persistent)
 
     def _spec(self, param: nn.Parameter) -> ShardSpec:
         where = self._where.get(param)
