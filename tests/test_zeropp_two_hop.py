@@ -59,6 +59,13 @@ def _reduce_both_ways(per_node: int) -> dict:
         work.wait()
         out[bits] = {"two_hop": two_hop, "one_hop": one.reduce(), "exact": exact, "misrouted": misrouted,
                    "block_max": block_max}
+    # fp16's overflow check: an inf in one rank's contribution reaches its owner's block as non-finite
+    # through both hops (the node's partial has an inf scale when it is re-quantized).
+    poisoned = mine.clone()
+    if rank == 0:
+        poisoned[world - 1, BLOCK + 3] = float("inf")
+    _, pending = start_two_hop_reduce_scatter(poisoned, bits=4, groups=groups, purpose="test")
+    out["poisoned"] = pending.reduce()
     return out
 
 
@@ -82,6 +89,12 @@ def _check_rows(ranks: list[dict], world: int) -> None:
             # The bound can tell owners apart: rows are 3^t-scaled, so the neighbour's row breaks it.
             assert not ((r["misrouted"] - r["exact"]).abs() <= two_bound).all(), (rank, bits)
             assert not torch.equal(r["two_hop"], r["one_hop"])  # the second rounding really happened
+        poisoned = result["poisoned"]
+        if rank == world - 1:
+            assert not poisoned[BLOCK: 2 * BLOCK].isfinite().any()
+            assert poisoned[:BLOCK].isfinite().all() and poisoned[2 * BLOCK:].isfinite().all()
+        else:
+            assert poisoned.isfinite().all()
 
 
 def _cases_4(save_dir: str) -> dict:
@@ -94,7 +107,17 @@ def _cases_4(save_dir: str) -> dict:
         "plain": _train(_config()),
         "both": _train(both, save=f"{save_dir}/ckpt"),
         "resumed": _train(both, steps=range(3, STEPS), load=f"{save_dir}/ckpt"),
+        # The shard layout is one hop's: the same checkpoint resumes on one "node" (one hop).
+        "resumed_one_node": _one_node(lambda: _train(both, steps=range(3, STEPS), load=f"{save_dir}/ckpt")),
     }
+
+
+def _one_node(run):
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    try:
+        return run()
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
 
 
 def _cases_8() -> dict:
@@ -164,6 +187,10 @@ def test_four_ranks_as_two_nodes_of_two(tmp_path) -> None:
         assert rank["both"]["bytes"].get(f"all_to_all_single: {INTER}", 0) > 0  # it did go in two hops
         assert f"all_to_all_single: {ONE_HOP}" not in rank["both"]["bytes"]
         assert rank["resumed"]["losses"] == both[3:]  # bit for bit
+        one_node = rank["resumed_one_node"]
+        assert f"all_to_all_single: {ONE_HOP}" in one_node["bytes"]  # it did resume on one hop
+        assert one_node["losses"] != both[3:]  # one rounding instead of two: not the same numbers...
+        assert max(abs(a - b) for a, b in zip(one_node["losses"], both[3:])) <= 0.02 * plain[0]  # ...but close
 
 
 def test_eight_ranks_as_two_by_four_and_four_by_two() -> None:
