@@ -99,7 +99,9 @@ def _check_rows(ranks: list[dict], world: int) -> None:
 
 def _cases_4(save_dir: str) -> dict:
     rows = _reduce_both_ways(2)
-    both = _config(zero_quantized_weights=True, zero_quantized_gradients=True)
+    # Buckets of 20k elements: the net's 50k gradients go in 3, so a bucket's inter-node hop is started by
+    # the next bucket's launch (the reducer's pipelining), except the last one's.
+    both = _config(zero_quantized_weights=True, zero_quantized_gradients=True, reduce_bucket_size=20_000)
     out = {"rows": rows, "tiny_one_node": _tiny(4), "tiny_two_nodes": _tiny(2)}
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # two "nodes" of two for the training runs
     return {
@@ -107,6 +109,9 @@ def _cases_4(save_dir: str) -> dict:
         "plain": _train(_config()),
         "both": _train(both, save=f"{save_dir}/ckpt"),
         "resumed": _train(both, steps=range(3, STEPS), load=f"{save_dir}/ckpt"),
+        # overlap_comm=false: both hops of each bucket before backward goes on; the same sums.
+        "no_overlap": _train(_config(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                     reduce_bucket_size=20_000, overlap_comm=False), steps=range(2)),
         # The shard layout is one hop's: the same checkpoint resumes on one "node" (one hop).
         "resumed_one_node": _one_node(lambda: _train(both, steps=range(3, STEPS), load=f"{save_dir}/ckpt")),
     }
@@ -187,6 +192,7 @@ def test_four_ranks_as_two_nodes_of_two(tmp_path) -> None:
         assert rank["both"]["bytes"].get(f"all_to_all_single: {INTER}", 0) > 0  # it did go in two hops
         assert f"all_to_all_single: {ONE_HOP}" not in rank["both"]["bytes"]
         assert rank["resumed"]["losses"] == both[3:]  # bit for bit
+        assert rank["no_overlap"]["losses"] == both[:2]  # when hop 2 starts changes no sum
         one_node = rank["resumed_one_node"]
         assert f"all_to_all_single: {ONE_HOP}" in one_node["bytes"]  # it did resume on one hop
         assert one_node["losses"] != both[3:]  # one rounding instead of two: not the same numbers...

@@ -13,7 +13,8 @@ A rank can never deadlock the others by skipping a bucket.
 - stage 0 (``num_shards == 1``): ``all_reduce`` of the bucket; every rank keeps it all.
 - stages 1 and 2 (``num_shards == world``): ``reduce_scatter_tensor`` of the packed bucket;
   each rank keeps its row (see :mod:`partita.zero.partition`). ZeRO++ qgZ (zero_quantized_gradients)
-  sends the rows quantized through one all-to-all instead (partita/zero/quantized_comm.py).
+  sends the rows quantized through one all-to-all instead (partita/zero/quantized_comm.py), or
+  across nodes through two, inside each node then between nodes (partita/zero/hierarchical_reduce.py).
 
 [Note: one process group per ZeRO group]
 Each ZeRO group carries its own :class:`~partita.zero.shard_group.ShardComm` (default: the
