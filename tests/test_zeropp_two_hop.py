@@ -126,7 +126,16 @@ def _one_node(run):
 
 
 def _cases_8() -> dict:
-    return {"2x4": _reduce_both_ways(4), "4x2": _reduce_both_ways(2)}
+    import torch.distributed as dist
+
+    out = {"2x4": _reduce_both_ways(4), "4x2": _reduce_both_ways(2)}
+    # Uneven nodes (6 + 2 ranks): ranks 6-7 alone would see 4 nodes of 2 and make groups the others never
+    # make (a hang). The ranks compare what they read, and all keep one hop.
+    from partita.zero.hierarchical_reduce import build_node_groups
+
+    os.environ["LOCAL_WORLD_SIZE"] = "6" if dist.get_rank() < 6 else "2"
+    out["uneven"] = build_node_groups(None, 8)
+    return out
 
 
 TINY_NUMEL = 64 * 100 + 100 + 100 * 10 + 10  # tests/test_comm_model.py's tiny model: one ZeRO-3 unit
@@ -204,6 +213,7 @@ def test_eight_ranks_as_two_by_four_and_four_by_two() -> None:
     for layout, (nodes, per_node) in (("2x4", (2, 4)), ("4x2", (4, 2))):
         assert (ranks[0][layout]["nodes"], ranks[0][layout]["per_node"]) == (nodes, per_node)
         _check_rows([r[layout] for r in ranks], 8)
+    assert all(r["uneven"] is None for r in ranks)
 
 
 def test_comm_model_two_hop_plan() -> None:

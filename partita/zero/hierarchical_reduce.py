@@ -28,8 +28,9 @@ Every node group and every cross-node group is made with ``dist.new_group`` once
 reducer is built, by every rank in the same order (new_group is collective over the world).
 Two hops are used only when the reduce runs over the whole world in rank order (plain data
 parallelism; a sub-group such as tensor parallelism's ZeRO group or an expert-data group keeps
-one hop), there are at least two nodes, and the world is a whole number of nodes; otherwise
-one hop, which is also what a single node or one rank per node needs.
+one hop), there are at least two nodes, every rank read the same ranks per node and the world is
+a whole number of such nodes; otherwise one hop, which is also what a single node or one rank
+per node needs.
 """
 
 from __future__ import annotations
@@ -78,10 +79,15 @@ def build_node_groups(process_group: dist.ProcessGroup | None, world_size: int) 
     if world_size < 2 or not dist.is_initialized() or world_size != dist.get_world_size():
         return None
     per_node = ranks_per_node(world_size)
-    if not uses_two_hop(world_size, per_node):
+    # Nodes of different sizes read different LOCAL_WORLD_SIZEs: every rank must take the same
+    # branch below (new_group is collective), so the ranks compare what they read first.
+    seen: list[int | None] = [None] * world_size
+    dist.all_gather_object(seen, per_node)
+    if len(set(seen)) > 1 or not uses_two_hop(world_size, per_node):
         if per_node < world_size:
-            logger.info("zero_quantized_gradients: %d ranks are not a whole number of nodes of %d "
-                        "(LOCAL_WORLD_SIZE); the gradient all-to-all keeps one hop", world_size, per_node)
+            logger.info("zero_quantized_gradients: %d ranks are not a whole number of equal nodes "
+                        "(LOCAL_WORLD_SIZE per rank: %s); the gradient all-to-all keeps one hop",
+                        world_size, sorted(set(seen)))
         return None
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_process_group_ranks(group) != list(range(world_size)):
