@@ -250,7 +250,10 @@ def run_worker(args: argparse.Namespace, spec: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - anything but out-of-memory is re-raised (the driver records it)
         if not _is_oom(exc):
             raise
-        at = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        try:
+            at = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        except RuntimeError:  # a CUDA context that can no longer answer: report the OOM without the figure
+            at = None
         _emit({**base, "status": "oom", "phase": phase, "rank": rank, "peak_gib": at, "error": str(exc)[:300]})
         os._exit(3)  # peers may sit in a collective; torchrun stops them when this rank exits
     if rank == 0:

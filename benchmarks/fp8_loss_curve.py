@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; --tiny 64)")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--val-every", type=int, default=None, help="validation every N steps (default 500; --tiny 20)")
-    parser.add_argument("--timeout", type=float, default=170.0, help="seconds per run (default 170)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run (default 240; a run cut short keeps its curve up to the last validation)")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a 2-layer model, emulated FP8")
     parser.add_argument("--out", type=output_dir, required=True, help="directory for the JSON, the plots and the runs")
