@@ -25,7 +25,6 @@ from tests._config_helpers import only_problem, problems_of
         ({"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": True}},
          "zero_optimization.stage3_use_all_reduce_for_fetch_params"),
         ({"zero_optimization": {"stage3_some_future_knob": 1}}, "zero_optimization.stage3_some_future_knob"),
-        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"zero_quantized_future_knob": True}}, "zero_optimization.zero_quantized_future_knob"),
         ({"zero_optimization": {"round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
         ({"zero_optimization": {"mics_shard_size": 8}}, "zero_optimization.mics_shard_size"),
@@ -72,9 +71,9 @@ def test_deepspeed_keys_set_to_their_no_op_default_are_accepted(config: dict) ->
 
 
 def test_a_boolean_is_not_mistaken_for_a_numeric_default() -> None:
-    # Python says True == 1; zero_hpz_partition_size's no-op value is 1, not true.
-    line = only_problem({"zero_optimization": {"zero_hpz_partition_size": True}})
-    assert "'zero_optimization.zero_hpz_partition_size' is a DeepSpeed setting" in line
+    # Python says False == 0; stage3_module_granularity_threshold's no-op value is 0, not false.
+    line = only_problem({"zero_optimization": {"stage3_module_granularity_threshold": False}})
+    assert "'zero_optimization.stage3_module_granularity_threshold' is a DeepSpeed setting" in line
 
 
 def test_unsupported_table_holds_the_documented_sections() -> None:

@@ -307,10 +307,6 @@ def test_config_keys_and_defaults() -> None:
     ({"stage": 3, "zero_quantized_gradients": True, "reduce_scatter": False},
      "zero_quantized_gradients replaces the gradient reduce-scatter with a quantized all-to-all"),
     ({"stage": 3, "zero_quantized_gradients_bits": 2}, "zero_quantized_gradients_bits"),
-    ({"stage": 3, "zero_hpz_partition_size": 8},
-     "'zero_optimization.zero_hpz_partition_size' is a DeepSpeed setting partita does not implement yet; remove it "
-     "(the value 1 has no effect and is accepted). ZeRO++'s hpZ (a secondary weight partition within each node) "
-     "is not built"),
 ])
 def test_config_refusals(zero: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:

@@ -137,11 +137,6 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
         "stage3_gather_fp16_weights_on_model_save": Unsupported(False, modern='"stage3_gather_16bit_weights_on_model_save"'),
         "stage3_module_granularity_threshold": Unsupported(0),
         "stage3_use_all_reduce_for_fetch_params": Unsupported(False),
-        "zero_hpz_partition_size": Unsupported(
-            1,
-            "ZeRO++'s hpZ (a secondary weight partition within each node) is not built; its quantized "
-            "all-gather and reduce-scatter are: zero_quantized_weights and zero_quantized_gradients.",
-        ),
         "zeropp_loco_param": Unsupported(None),
         "round_robin_gradients": Unsupported(False),
         "elastic_checkpoint": Unsupported(False),

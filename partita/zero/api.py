@@ -19,6 +19,7 @@ from partita.param_groups import registration_index
 from partita.zero.config import ZeroConfig
 from partita.zero.frozen_params import build_frozen_shards
 from partita.zero.gathered import register_owner
+from partita.zero.hpz import build_secondary_partition
 from partita.zero.init_context import forget_init_shards
 from partita.zero.one_rank_weights import OneRankWeights, build_one_rank_weights
 from partita.zero.param_gatherer import ParameterGatherer
@@ -198,6 +199,7 @@ def apply_zero(
             # ZeRO++ qwZ: which parameters' unit gathers go as int8 blocks (partita/zero/quantized_comm.py).
             quantize_weights="all" if config.zero_quantized_weights else (
                 "frozen" if config.zero_quantized_nontrainable_weights else "none"),
+            hpz=build_secondary_partition(config.zero_hpz_partition_size, topology),  # ZeRO++ hpZ (zero/hpz.py)
         )
         optimizer.param_store = gatherer
         # state_dict() of a module whose parameters are freed: placeholders instead of entries that

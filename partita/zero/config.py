@@ -1,7 +1,7 @@
 """The ``zero_optimization`` section: which ZeRO stage to run and how to bucket its traffic.
 
 Keys, meanings and defaults follow DeepSpeed 0.19. Keys for features partita lacks
-(MiCS, ZeRO++'s hpZ, some ZeRO-3 tuning) are refused by the loader with an explanation
+(MiCS, some ZeRO-3 tuning) are refused by the loader with an explanation
 (see ``partita.config.unsupported``) rather than listed here.
 """
 
@@ -172,6 +172,17 @@ class ZeroConfig(StrictSection):
         ),
         json_schema_extra=PARTITA_KEY,
     )
+    zero_hpz_partition_size: JsonInt = Field(
+        1,
+        ge=1,
+        description=(
+            "ZeRO++ hpZ, ZeRO-3 only: G > 1 splits the data-parallel ranks into groups of G consecutive ranks (set "
+            "it to the ranks per node). After a unit's forward all-gather each rank keeps its 1/G of the gathered "
+            "16-bit weights, and the backward's re-gather of that unit all-gathers inside the group only. Costs "
+            "numel*2/G bytes per rank between a forward and its backward; G must divide the data-parallel size. "
+            "1: off. DeepSpeed default 1."
+        ),
+    )
 
     one_rank_free_weights: bool = Field(
         True,
@@ -242,10 +253,12 @@ class ZeroConfig(StrictSection):
             )
         zeropp = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
                               "zero_quantized_gradients") if getattr(self, k)]
+        if self.zero_hpz_partition_size > 1:
+            zeropp.append(f"zero_hpz_partition_size {self.zero_hpz_partition_size}")
         if zeropp and self.stage != 3:
             raise PydanticCustomError(
                 "zeropp_stage",
-                "{keys} (ZeRO++) work at ZeRO stage 3 only (they quantize its parameter all-gathers and gradient "
+                "{keys} (ZeRO++) work at ZeRO stage 3 only (they act on its parameter all-gathers and gradient "
                 "reduce-scatters); set zero_optimization.stage to 3, or remove them",
                 {"keys": ", ".join(zeropp)},
             )

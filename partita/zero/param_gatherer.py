@@ -68,6 +68,7 @@ from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.gather_state import InFlight, ParamState
 from partita.zero.gather_wire import PURPOSE, Wire, start_all_gather, wire_of
 from partita.zero.holds import Holds
+from partita.zero.hpz import SecondaryPartition
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.unit_sync import DEVIATED, END, GATHER, UnitSync, ranks_agree
@@ -93,11 +94,14 @@ class ParameterGatherer:
         aio: AioConfig | None = None,
         frozen: FrozenShards | None = None,
         quantize_weights: str = "none",
+        hpz: SecondaryPartition | None = None,
     ) -> None:
         self._groups = groups
         # ZeRO++ qwZ: "all", "frozen" (nontrainable only) or "none"; the forward/backward gathers of those
         # parameters go as int8 (partita/zero/quantized_comm.py). Gathers for users (holds, exports) stay exact.
         self._quantize = quantize_weights
+        # ZeRO++ hpZ: backward re-gathers of units come from copies inside a group of ranks (partita/zero/hpz.py).
+        self.hpz = hpz  # None: off
         self.frozen = frozen  # sharded parameters of no group (see partita/zero/frozen_params.py)
         self.prefetch_numel = prefetch_numel
         self._max_live_numel = max_live_numel
@@ -409,13 +413,28 @@ class ParameterGatherer:
         parameters gather within their expert-data group), in first-parameter order, which is
         the same on every rank."""
         by_comm: dict[tuple, tuple[Any, list[nn.Parameter]]] = {}
+        hpz = self.hpz if quantize else None  # a unit's gather: hpZ's copies fill in forward, serve in backward
+        backward = hpz is not None and in_backward_pass()
         for param in params:
             where = self._where.get(param)
             comm = self.frozen.comm if where is None else self._groups[where[0]].comm
+            if backward and hpz.holds(param) and comm.process_group is self._process_group:
+                by_comm.setdefault(("hpz",), (comm, []))[1].append(param)
+                continue
             dtype = self.frozen.shard(param).dtype if where is None else self._groups[where[0]].model_dtype
             wire = wire_of(param, unit_gather=quantize, quantize_weights=self._quantize)
             by_comm.setdefault((id(comm), dtype, wire), (comm, []))[1].append(param)
-        return [self._start_gather(part, comm, key[2]) for key, (comm, part) in by_comm.items()]
+        tickets = []
+        for key, (comm, part) in by_comm.items():
+            if key == ("hpz",):
+                for param in part:
+                    self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
+                tickets.append(self._register(hpz.start_gather(part, self._spec)))
+                continue
+            tickets.append(self._start_gather(part, comm, key[2]))
+            if hpz is not None and self._in_forward and not backward and comm.process_group is self._process_group:
+                hpz.fill_from(tickets[-1])  # a training forward's world gather: keep this rank's rows
+        return tickets
 
     def _start_gather(self, params: list[nn.Parameter], comm=None, wire: Wire = False) -> int:
         # Trainable parameters' pieces first (from the storage), then frozen ones' (FrozenShards).
@@ -435,9 +454,12 @@ class ParameterGatherer:
             spans = [(col, self._spec(p).shard_numel) for p, col in zip(params, columns)]
             work, gathered, decoder = start_all_gather(local, spans, size=size, group=process_group, wire=wire)
             ready = storage.issued()
+        return self._register(InFlight(work, gathered, params, columns, ready, decoder))
+
+    def _register(self, flight: InFlight) -> int:
         ticket = next(self._tickets)
-        self._in_flight[ticket] = InFlight(work, gathered, params, columns, ready, decoder)
-        for param in params:
+        self._in_flight[ticket] = flight
+        for param in flight.params:
             self._in_flight_of[param] = ticket
         return ticket
 
@@ -446,6 +468,8 @@ class ParameterGatherer:
         collectives.wait(flight.work, purpose=PURPOSE)
         self.storage.arrived(flight.ready, flight.gathered)
         gathered = flight.gathered if flight.quantized is None else flight.quantized.dequantize(flight.gathered)
+        if self.hpz is not None:
+            self.hpz.landed(ticket, flight, gathered, self._spec)
         for param, col in zip(flight.params, flight.columns):
             del self._in_flight_of[param]
             allocate_param(param)
@@ -480,6 +504,8 @@ class ParameterGatherer:
         for ticket in sorted(self._in_flight):
             self._finish_gather(ticket)
         self.release(list(self._state))
+        if self.hpz is not None:
+            self.hpz.drop()  # each forward refreshes the copies its backward reads (partita/zero/hpz.py)
         if self.trace.state is TraceState.RECORDING and self.trace.sequences[Phase.BACKWARD]:
             self.trace.finish_recording(self._ranks_agree, self._unit_index, self._unit_numel, self._root)
 
@@ -538,8 +564,10 @@ class ParameterGatherer:
     @torch.no_grad()
     def refresh_shards(self) -> None:
         """After an optimizer step: the low-precision shards follow the fp32 master (on the
-        device, in host memory or in the swap files, see :attr:`storage`)."""
+        device, in host memory or in the swap files, see :attr:`storage`); hpZ's copies are stale."""
         self.storage.refresh()
+        if self.hpz is not None:
+            self.hpz.drop()
 
     @property
     def shards(self) -> list[torch.Tensor]:
