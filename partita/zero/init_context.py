@@ -94,15 +94,46 @@ def _shard_numel(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
+# [Note: bounded gathers on CPU]
+# gloo runs each collective on one of its worker threads, and its all-gather assembles the
+# result in a flat temporary of the whole output's size allocated on that thread, so from that
+# thread's glibc arena. Freed, it stays resident as the top of that arena: glibc returns an
+# arena's top only once it exceeds the trim threshold (32 MiB once the dynamic mmap threshold
+# has grown) and malloc_trim does not touch the top of a thread's arena. A whole-parameter
+# gather of the largest parameter (a 16 MiB embedding) thus pinned 16 MiB per gloo thread:
+# 32 MiB per rank of a model whose shard was 28 MiB (benchmarks/results/zero_init_host_memory_*).
+# So on CPU a parameter is gathered in pieces of at most this many bytes of output, written
+# straight into its own storage (no whole-size staging tensor either). Accelerator tensors
+# (NCCL, no such temporary) are gathered in one collective.
+_CPU_GATHER_BYTES = 1 << 20
+
+
 @torch.no_grad()
 def gather_init_param(param: nn.Parameter) -> None:
     """Give a construction-sharded parameter its full storage and values back (collective)."""
     shard = _SHARDS[param]
     world = dist.get_world_size()
-    full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
-    collectives.all_gather_into_tensor(full, shard, group=None, purpose="zero.Init parameter gather")
     allocate_param(param)
-    param.data.view(-1).copy_(full[: param.numel()])
+    flat = param.data.view(-1)
+    per_rank, numel = shard.numel(), flat.numel()
+    if shard.device.type != "cpu":
+        full = torch.empty(world * per_rank, dtype=shard.dtype, device=shard.device)
+        collectives.all_gather_into_tensor(full, shard, group=None, purpose="zero.Init parameter gather")
+        flat.copy_(full[:numel])
+        return
+    step = max(1, min(per_rank, _CPU_GATHER_BYTES // (world * shard.element_size())))
+    staging = torch.empty(world * step, dtype=shard.dtype, device=shard.device)
+    for lo in range(0, per_rank, step):
+        n = min(step, per_rank - lo)
+        rows = staging[: world * n]
+        collectives.all_gather_into_tensor(rows, shard[lo : lo + n], group=None, purpose="zero.Init parameter gather")
+        rows = rows.view(world, n)
+        for rank in range(world):  # rank r's piece lands at r * per_rank + lo (the padding is dropped)
+            start = rank * per_rank + lo
+            if start >= numel:
+                break
+            count = min(n, numel - start)
+            flat[start : start + count].copy_(rows[rank, :count])
 
 
 @torch.no_grad()
