@@ -103,8 +103,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("s3_1.3b_mb4_every", 2048, 24, 16, 2048, 3, 4, "every"),
     Setting("s0_1.3b_mb1_every", 2048, 24, 16, 2048, 0, 1, "every"),
     # The tune sweep's pattern: s0_125m_mb64 under examples/train_gpt.py's loop, one habit at a time,
-    # then both at the largest micro-batch partita tune launches on an H200 at stages 0 and 3 (guards 125.9/126.1 GiB <
-    # against 132.8 GiB; 120 is pruned): an out-of-memory error there is a tune sweep that would fail.
+    # then both at the largest micro-batch partita tune launches on an H200 at stages 0 and 3 (guards 125.0 GiB <
+    # 132.8 GiB; 120 is pruned at 133.8): an out-of-memory error there is a tune sweep that would fail.
     Setting("s0_125m_mb64_eval", 768, 12, 12, 1024, 0, 64, eval_first=True),
     Setting("s0_125m_mb64_held", 768, 12, 12, 1024, 0, 64, hold_logits=True),
     Setting("s0_125m_mb112_example", 768, 12, 12, 1024, 0, 112, eval_first=True, hold_logits=True),
@@ -185,7 +185,8 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
     engine, _, _, _ = partita.initialize(model=model, model_parameters=groups, config=cfg)
     fold = engine.config.zero_optimization.one_rank_gradient_fold  # what initialize chose runs
     setup = Setup.from_config(cfg, world_size=1, fold_gradients_at_end=fold in ("end", "stream"),
-                              streamed_step=fold == "stream", allocator=allocator_from_conf(s.alloc_conf).kind)
+                              streamed_step=fold == "stream", allocator=allocator_from_conf(s.alloc_conf).kind,
+                              logits_held_to_next_step=s.hold_logits)
     estimate = estimate_memory(info, setup)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randint(0, s.vocab, (s.micro_batch, s.seq_len), device=device, generator=gen)
@@ -217,7 +218,7 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
     predicted_alloc, predicted_res = estimate.peak_accelerator, estimate.reserved_accelerator
     from partita.autotune.tuner import guard_bytes
 
-    guard = guard_bytes(estimate)  # what partita tune requires free for this point
+    guard = guard_bytes(info, setup)  # what partita tune requires free for this point
     row: dict[str, Any] = {
         "setting": s.name, "status": status, "fold": fold, "steps": len(losses), "losses": losses,
         "seconds": time.perf_counter() - start, "config": cfg, "alloc_conf": s.alloc_conf,

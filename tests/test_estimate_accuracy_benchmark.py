@@ -27,15 +27,15 @@ def test_settings_cover_what_the_issue_asks():
     # The example script's loop (the tune sweep's OOM): each habit alone, then both at the largest
     # micro-batches partita tune launches on an H200 (guard within its budget) at stages 0 and 3.
     from partita.autotune.tuner import guard_bytes
-    from partita.estimate import GPTShape, estimate_memory
+    from partita.estimate import GPTShape, Setup
 
     assert any(x.eval_first and not x.hold_logits for x in s) and any(x.hold_logits and not x.eval_first for x in s)
     budget = bench.TUNE_HEADROOM * 139.8 * 2**30  # one H200
     for stage in (0, 3):
         (boundary,) = [x for x in s if x.eval_first and x.hold_logits and x.stage == stage]
         shape = GPTShape(boundary.d_model, boundary.n_layers, boundary.n_heads, boundary.vocab, boundary.seq_len)
-        launched = guard_bytes(estimate_memory(shape, stage=stage, micro_batch=boundary.micro_batch))
-        pruned = guard_bytes(estimate_memory(shape, stage=stage, micro_batch=boundary.micro_batch + 8))
+        launched = guard_bytes(shape, Setup(stage=stage, micro_batch=boundary.micro_batch))
+        pruned = guard_bytes(shape, Setup(stage=stage, micro_batch=boundary.micro_batch + 8))
         assert launched <= budget < pruned, boundary.name
 
 

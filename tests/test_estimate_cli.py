@@ -66,6 +66,12 @@ def test_cli_table_and_json(capsys, tmp_path):
     assert code == 0 and "Recommended: ZeRO stage" in out
     code, out, _ = _cli(capsys, "--params", "1e6")
     assert code == 0 and "unknown" in out
+    # --logits-held: the loop keeps its logits to the next step; reserved gains the bf16 logits' hole.
+    flags = ["--model", "gpt2-124m", "--dtype", "bf16", "--micro-batch", "4", "--allocator", "expandable", "--json"]
+    plain, held = (json.loads(_cli(capsys, *flags, *extra)[1]) for extra in ((), ("--logits-held",)))
+    assert held["setup"]["logits_held_to_next_step"] and not plain["setup"]["logits_held_to_next_step"]
+    assert held["reserved_accelerator"]["held_logits_bytes"] == 4 * 1024 * 50304 * 2
+    assert held["reserved_accelerator_bytes"] == plain["reserved_accelerator_bytes"] + 4 * 1024 * 50304 * 2
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -120,7 +120,7 @@ class _Estimator:
     def __call__(self, point: TrialPoint) -> float | None:
         if self._model is None:
             return None
-        from partita.estimate import Setup, estimate_memory
+        from partita.estimate import Setup
         from partita.estimate.model_info import model_info
 
         if self._info is None:
@@ -133,24 +133,22 @@ class _Estimator:
         )
         # Reserved, not allocated: a trial fails when the caching allocator cannot reserve a request,
         # and its rounding and fragmentation come on top of the tensors (partita/estimate/allocator.py).
-        return float(guard_bytes(estimate_memory(self._info, setup)))
+        return float(guard_bytes(self._info, setup))
 
 
-def guard_bytes(estimate) -> int:
-    """Accelerator bytes per rank the tuner requires free for a trial of ``estimate`` (a
-    ``partita.estimate.MemoryEstimate``): its predicted reserved memory, raised to the envelope of the
-    one tune trial on record that ran out of memory. That trial (GPT-2 124M, micro-batch 128, the
-    example script's loop) left 16% of its non-state bytes cached and unusable, three times what the
-    fitted model predicts from the benchmark's loop; until tune trials record snapshots the tuner keeps
-    that envelope. No caching allocator (CPU): the tensor bytes.
-    ``benchmarks/estimator_accuracy_gpu.py`` reports this guard next to each measurement."""
-    if estimate.reserved is None or estimate.reserved.model.kind == "none":
-        return estimate.reserved_accelerator
-    from partita.estimate.allocator_calibration import tune_fraction
+def guard_bytes(model: Any, setup: Any) -> int:
+    """Accelerator bytes per rank the tuner requires free for a trial of ``model`` (what
+    ``partita.estimate.estimate_memory`` takes) under ``setup`` (a ``partita.estimate.Setup``): the
+    predicted reserved memory of the training loop most scripts run, which keeps each step's logits
+    through the next forward (``logits, loss = engine(x, y)``, as examples/train_gpt.py and nanoGPT
+    do; ``Setup.logits_held_to_next_step``): 16-bit logits then leave a hole the loss gradients cannot
+    use, which made the one recorded tune sweep run out of memory where 124 GiB had been predicted
+    (``partita.estimate.allocator_calibration.TUNE_RUN``). A loop that drops its logits needs less.
+    No caching allocator (CPU): the tensor bytes. ``benchmarks/estimator_accuracy_gpu.py`` reports
+    this guard next to each measurement."""
+    from partita.estimate import estimate_memory
 
-    peak = estimate.peak_accelerator
-    envelope = peak + tune_fraction() * (peak - estimate.model_states())
-    return int(max(estimate.reserved_accelerator, envelope))
+    return estimate_memory(model, setup.replace(logits_held_to_next_step=True)).reserved_accelerator
 
 
 def _plan(opts: TuneOptions) -> tuple[list[TrialPoint], list[TrialRecord]]:

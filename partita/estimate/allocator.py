@@ -32,6 +32,16 @@ fails when the allocator cannot *reserve* what a request needs, and reserved mem
    checks the constants equal the fit). Fixed segments keep ``a`` and ``r`` and a larger ``g``
    from their one measured run (torch cannot merge blocks of different ``cudaMalloc`` segments).
 
+3. The previous step's logits, when the training loop holds them through the next forward
+   (``Setup.logits_held_to_next_step``: ``logits, loss = engine(x, y)`` with no ``del``, the habit of
+   examples/train_gpt.py and nanoGPT): they are freed only once that forward has returned, in the
+   middle of the segment, between tensors still alive. The backward's first requests, the fp32
+   gradients of the loss (``b x s x V x 4`` bytes each), are twice as large as 16-bit logits, so that
+   hole is cached but unusable at the start of backward: reserved is at least the allocated bytes
+   there plus the logits (:func:`reserved_estimate`'s ``held_logits``). Derived, not fitted: the one
+   recorded ``partita tune`` out-of-memory trial, which ran that loop, had 15.7 GiB cached and
+   unusable at that moment with 12.3 GiB of logits (``allocator_calibration.TUNE_RUN``).
+
 ``max_split_size_mb`` stops blocks above it from being split (less fragmentation of large
 blocks, more of small ones); no run records it, so it takes the default allocator's
 coefficients and the estimate says so. ``roundup_power2_divisions`` is not modelled.
@@ -165,15 +175,16 @@ class ReservedEstimate:
     pages: int  # unused end of the segments (expandable: one page per pool)
     fragmentation: int  # a x model states + r x one recomputed block + g x the rest
     model: AllocatorModel
+    held_logits: int = 0  # reserved beyond the rest at the start of backward: the held logits' hole
 
     @property
     def reserved(self) -> int:
-        return self.allocated + self.rounding + self.pages + self.fragmentation
+        return self.allocated + self.rounding + self.pages + self.fragmentation + self.held_logits
 
     def to_dict(self) -> dict:
         return {"allocated_bytes": self.allocated, "rounding_bytes": self.rounding, "page_bytes": self.pages,
-                "fragmentation_bytes": self.fragmentation, "reserved_bytes": self.reserved,
-                "allocator": self.model.describe()}
+                "fragmentation_bytes": self.fragmentation, "held_logits_bytes": self.held_logits,
+                "reserved_bytes": self.reserved, "allocator": self.model.describe()}
 
 
 def rounding_overhead(sizes: list[int]) -> int:
@@ -193,9 +204,12 @@ def fragmentation_terms(estimate: MemoryEstimate) -> tuple[int, int, int]:
     return states, recompute, max(0, peak - states - recompute - recycled)
 
 
-def reserved_estimate(estimate: MemoryEstimate, model: AllocatorModel, tensor_sizes: list[int]) -> ReservedEstimate:
+def reserved_estimate(estimate: MemoryEstimate, model: AllocatorModel, tensor_sizes: list[int], *,
+                      held_logits: tuple[int, int] = (0, 0)) -> ReservedEstimate:
     """Reserved accelerator bytes at ``estimate``'s peak under ``model``; ``tensor_sizes``: the bytes of
-    the tensors alive at the peak that the estimator can enumerate (model states, saved activations)."""
+    the tensors alive at the peak that the estimator can enumerate (model states, saved activations);
+    ``held_logits``: (the held logits' hole, the allocated bytes beside it), item 3 of the module
+    docstring; the hole raises the prediction where it exceeds the rest's margin over the peak."""
     allocated = estimate.peak_accelerator
     if model.kind == "none" or allocated == 0:
         return ReservedEstimate(allocated, 0, 0, 0, model)
@@ -203,4 +217,9 @@ def reserved_estimate(estimate: MemoryEstimate, model: AllocatorModel, tensor_si
     states, recompute, rest = fragmentation_terms(estimate)
     fragmentation = int(a * states + r * recompute + g * rest)
     pages = LARGE_BUFFER + SMALL_BUFFER if model.kind == "expandable" else SMALL_BUFFER
-    return ReservedEstimate(allocated, rounding_overhead(tensor_sizes), pages, fragmentation, model)
+    rounding = rounding_overhead(tensor_sizes)
+    hole, beside = held_logits
+    # The hole and the loop's own overheads (rounding, pages, a x S + g x T) add up at the start of
+    # backward; where the peak comes later, by more than the hole, the hole is refilled before it.
+    held = max(0, beside + hole - allocated)
+    return ReservedEstimate(allocated, rounding, pages, fragmentation, model, held)

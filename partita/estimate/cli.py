@@ -72,6 +72,10 @@ def add_estimate_parser(commands: Any) -> None:
                        help="bytes per pinned offload staging buffer (default partita's, 64MiB)")
     setup.add_argument("--activation-bytes", default=None,
                        help="activations per rank for a model without a shape, e.g. 12GB")
+    setup.add_argument("--logits-held", action="store_true", default=None,
+                       help="the training loop keeps each step's logits through the next forward (logits, loss = "
+                            "engine(x, y) with no del, as examples/train_gpt.py does): reserved memory gains the "
+                            "16-bit logits' hole (what partita tune assumes)")
     from partita.estimate.tiers_cli import add_tier_arguments
 
     add_tier_arguments(p)
@@ -131,7 +135,7 @@ def _setup(args: argparse.Namespace, model: Any):
         "gradient_accumulation_steps": args.gradient_accumulation_steps, "optimizer": args.optimizer,
         "checkpointing": args.checkpointing, "cpu_checkpointing": args.cpu_checkpointing,
         "offload_optimizer": args.offload_optimizer, "offload_ratio": args.offload_ratio,
-        "offload_param": args.offload_param,
+        "offload_param": args.offload_param, "logits_held_to_next_step": args.logits_held,
     }
     if args.staging_bytes is not None:
         flags["staging_bytes"] = parse_bytes(args.staging_bytes, what="--staging-bytes")

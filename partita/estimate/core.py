@@ -16,7 +16,7 @@ from partita.estimate.model_states import model_state_lines
 from partita.estimate.result import BACKWARD, START_BACKWARD, Line, MemoryEstimate
 from partita.estimate.timeline import gpt_backward_walk
 
-__all__ = ["estimate_memory", "estimate_for_info"]
+__all__ = ["estimate_memory", "estimate_for_info", "held_logits_hole"]
 
 
 def estimate_memory(
@@ -72,8 +72,22 @@ def estimate_for_info(info: ModelInfo, setup: Setup) -> MemoryEstimate:
     if model.max_split_size_mb is not None:
         notes.append("max_split_size_mb: no recorded run calibrates it; reserved memory uses the fixed-segment "
                      "allocator's fragmentation")
-    reserved = reserved_estimate(estimate, model, accelerator_tensor_sizes(info, setup))
+    reserved = reserved_estimate(estimate, model, accelerator_tensor_sizes(info, setup),
+                                 held_logits=held_logits_hole(estimate))
     return dataclasses.replace(estimate, notes=tuple(notes), reserved=reserved)
+
+
+def held_logits_hole(estimate: MemoryEstimate) -> tuple[int, int]:
+    """``(hole, allocated)``: the bytes of the previous step's logits, freed once the next forward has
+    returned, that the loss gradients cannot reuse, and the allocated bytes beside the hole (the start
+    of backward, when those gradients are requested). ``(0, 0)`` unless the loop keeps its logits to
+    the next step. In fp32 the logits are as large as each fp32 loss gradient, which reuses the hole;
+    in 16 bits they are half as large, and the hole stays until the logits' own gradient (the same
+    size) takes it, after the peak. A tiled loss returns no logits."""
+    if not estimate.setup.logits_held_to_next_step or estimate.setup.dtype_bytes >= 4:
+        return 0, 0
+    hole = sum(line.nbytes for line in estimate.lines if line.kind == "logits" and line.device == "accelerator")
+    return (hole, estimate.total("accelerator", phase=START_BACKWARD)) if hole else (0, 0)
 
 
 def accelerator_tensor_sizes(info: ModelInfo, setup: Setup) -> list[int]:

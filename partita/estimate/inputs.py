@@ -211,6 +211,10 @@ class Setup:
     mlp_tile_tokens: int | None = None  # sequence_tiling: every MLP over tiles of tokens
     frozen_zero_init: bool | None = None  # frozen params built under zero.Init (None: as the module says)
     allocator: str = "expandable"  # the CUDA caching allocator predicted (partita/estimate/allocator.py)
+    # The training loop keeps the previous step's logits through the next forward (``logits, loss =
+    # engine(x, y)`` with no ``del``, as examples/train_gpt.py and nanoGPT do): their freed block is a hole
+    # the fp32 loss gradients cannot use (partita/estimate/allocator.py). Tensor bytes are unchanged.
+    logits_held_to_next_step: bool = False
     max_split_size_mb: int | None = None  # PYTORCH_CUDA_ALLOC_CONF max_split_size_mb (fixed segments only)
 
     def __post_init__(self) -> None:
@@ -249,6 +253,9 @@ class Setup:
                 "the estimate of mlp_tile_tokens with selective checkpointing is not modelled (what selective keeps "
                 "inside a tiled MLP is not counted); estimate checkpointing every or none with it")
         self.allocator_model()  # validates allocator and max_split_size_mb
+        for name in ("logits_held_to_next_step",):
+            if not isinstance(getattr(self, name), bool):
+                raise EstimateError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0.0 < self.offload_ratio <= 1.0:
             raise EstimateError(f"offload_ratio must be in (0, 1], got {self.offload_ratio!r}")
         # The same rules as partita.zero.config.ZeroConfig, so an estimate never describes a
@@ -357,6 +364,7 @@ class Setup:
             fold = ", one_rank_gradient_fold " + ("stream" if self.streamed_step else "end")
         tiles = [f"{what} tiled by {n}" for what, n in (("loss", self.loss_tile_tokens), ("MLP", self.mlp_tile_tokens))
                  if n is not None]
+        tiles += ["logits held to the next step"] if self.logits_held_to_next_step else []
         return (
             f"{self.dtype}, ZeRO stage {self.stage}, world size {self.world_size}, micro-batch {self.micro_batch}{gas}, "
             f"{self.optimizer}, checkpointing {ckpt}, offload {offload}{fold}" + "".join(", " + t for t in tiles)

@@ -46,8 +46,9 @@ def format_estimate(estimate: MemoryEstimate) -> str:
     rows.append(("peak", f"per rank (accelerator: {phase})", [format_bytes(estimate.peak(d)[0]) for d in devices]))
     if estimate.reserved is not None and estimate.reserved.model.kind != "none":
         r = estimate.reserved
+        held = f", +{format_bytes(r.held_logits)} held logits' hole" if r.held_logits else ""
         rows.append(("reserved", f"~ with the caching allocator ({r.model.describe()}: +{format_bytes(r.rounding + r.pages)} "
-                     f"rounding and segment ends, +{format_bytes(r.fragmentation)} fragmentation)",
+                     f"rounding and segment ends, +{format_bytes(r.fragmentation)} fragmentation{held})",
                      [format_bytes(estimate.reserved_accelerator)] + [""] * (len(devices) - 1)))
 
     widths = [max(len(r[0]) for r in rows + [("category", "", [])]), max(len(r[1]) for r in rows + [("", "item", [])])]
