@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from partita.version import __version__  # noqa: F401 - re-exported
 
 # Top-level functions and classes, imported on first use: name -> (module, attribute).
 _LAZY: dict[str, tuple[str, str]] = {

@@ -65,10 +65,10 @@ def meta_header(tag: str) -> dict:
     """The first keys of every meta.json: format, version, tag and the versions that wrote it."""
     import torch
 
-    import partita
+    from partita.version import __version__
 
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tag": tag,
-            "partita_version": partita.__version__, "torch_version": torch.__version__}
+            "partita_version": __version__, "torch_version": torch.__version__}
 
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
