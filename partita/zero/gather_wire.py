@@ -21,7 +21,7 @@ from partita.zero.quantized_comm import start_quantized_all_gather
 
 PURPOSE = "ZeRO-3 parameter all-gather"
 
-# What a parameter's wire can be: False (exact), True (int8, qwZ), "fp8" (a Float8Linear weight).
+# A wire: False (exact), True (int8, qwZ), "fp8" (Float8Linear weights), "hpz" (from hpZ copies, zero/hpz.py).
 Wire = bool | str
 
 

@@ -418,22 +418,15 @@ class ParameterGatherer:
         for param in params:
             where = self._where.get(param)
             comm = self.frozen.comm if where is None else self._groups[where[0]].comm
-            if backward and hpz.holds(param) and comm.process_group is self._process_group:
-                by_comm.setdefault(("hpz",), (comm, []))[1].append(param)
-                continue
             dtype = self.frozen.shard(param).dtype if where is None else self._groups[where[0]].model_dtype
             wire = wire_of(param, unit_gather=quantize, quantize_weights=self._quantize)
+            if backward and hpz.holds(param) and comm.process_group is self._process_group:
+                wire = "hpz"  # the backward's re-gather: from this rank's copy, inside its hpZ group
             by_comm.setdefault((id(comm), dtype, wire), (comm, []))[1].append(param)
-        tickets = []
-        for key, (comm, part) in by_comm.items():
-            if key == ("hpz",):
-                for param in part:
-                    self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
-                tickets.append(self._register(hpz.start_gather(part, self._spec)))
-                continue
-            tickets.append(self._start_gather(part, comm, key[2]))
-            if hpz is not None and self._in_forward and not backward and comm.process_group is self._process_group:
-                hpz.fill_from(tickets[-1])  # a training forward's world gather: keep this rank's rows
+        tickets = [self._start_gather(part, comm, key[2]) for key, (comm, part) in by_comm.items()]
+        for ticket, (comm, _) in zip(tickets, by_comm.values() if hpz and self._in_forward and not backward else ()):
+            if comm.process_group is self._process_group:
+                hpz.fill_from(ticket)  # a training forward's world gather: keep this rank's rows as they land
         return tickets
 
     def _start_gather(self, params: list[nn.Parameter], comm=None, wire: Wire = False) -> int:
@@ -445,6 +438,8 @@ class ParameterGatherer:
             self._transition(param, ParamState.SHARDED, ParamState.GATHERING)
             columns.append(column)
             column += self._spec(param).shard_numel
+        if wire == "hpz":
+            return self._register(self.hpz.start_gather(params, self._spec))
         storage = self.storage
         # Offloaded shards: the host-to-device copies and the all-gather go on one side stream,
         # ordered without a host synchronisation (see partita/offload/param_offload.py).
