@@ -26,10 +26,28 @@ fused under compile), against a matmul's worth of compute.
 
 Gathers outside units (holds, exports, checkpoints) stay exact: the masters are never touched,
 only the weights the forward and backward use.
+
+[Note: per-step scales]
+Step 1 costs one small all-reduce per unit gather, and ZeRO-3 gathers each unit twice a step
+(forward and backward): 2 x units latency-bound collectives. The weights only change in the
+optimizer step, so every gather between two steps computes the same amax. torchao's FSDP2 path
+has ``precompute_float8_dynamic_scale_for_fsdp`` for this: after the step, one all-reduce of
+every weight's amax. :func:`precompute_fp8_scales` is partita's version for its flat shards: it
+takes each FP8-gathered weight's local shard once the shards follow the new masters, all-reduces
+the vector of their amaxes in ONE collective, and stores each weight's scale on its Parameter;
+:func:`start_fp8_all_gather` given those scales (:func:`precomputed_fp8_scales`) skips its own
+all-reduce. The amax is a max (exact in any order) and ``amax_to_scale`` is elementwise, so the
+scales, the FP8 bytes and the rebuilt weights equal the per-gather path's bit for bit.
+
+A stored scale is right only while the shards are those it was computed from: whatever writes
+the shards (the step's write-back, ``GatheredParameters`` with a modifier, a checkpoint load)
+must call :func:`precompute_fp8_scales` again, or :func:`forget_fp8_scales` (the gathers then
+all-reduce per gather again). A stale scale would saturate a weight that grew.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +57,19 @@ from torch import nn
 from partita.config.base import ConfigError
 from partita.distributed import collectives
 
-__all__ = ["FP8_DTYPE", "mark_fp8_all_gather", "is_fp8_gathered", "start_fp8_all_gather", "Fp8Gather"]
+__all__ = [
+    "FP8_DTYPE", "mark_fp8_all_gather", "is_fp8_gathered", "start_fp8_all_gather", "Fp8Gather",
+    "precompute_fp8_scales", "precomputed_fp8_scales", "forget_fp8_scales",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn  # torchao's forward dtype for weights (e5m2 is for gradients)
 # Set on a Float8Linear's weight Parameter: its unit gathers go as FP8. On the Parameter, not in a
 # set the gatherer holds: it is built later than the model is converted, and the Parameter object
 # is what both see (Float8Linear keeps the plain linear's Parameter, see partita/precision/fp8.py).
 _MARK = "_partita_fp8_all_gather"
+# The weight's group-wide scale for the current shards (fp32, 0-dim), see [Note: per-step scales].
+_SCALE = "_partita_fp8_scale"
+PRECOMPUTE_PURPOSE = "fp8 amax precompute (every FP8-gathered weight)"
 
 
 def mark_fp8_all_gather(model: nn.Module, *, zero_stage: int) -> list[str]:
@@ -103,20 +127,66 @@ class Fp8Gather:
         return out
 
 
+def _shard_amax(shard: torch.Tensor) -> torch.Tensor:
+    # Padding is zero and an empty shard (a rank past the end of a small weight) counts as 0: neither
+    # raises the group's max.
+    return shard.abs().max().to(torch.float32) if shard.numel() else shard.new_zeros((), dtype=torch.float32)
+
+
+def precompute_fp8_scales(shards: Sequence[tuple[nn.Parameter, torch.Tensor]], *, group: dist.ProcessGroup | None) -> None:
+    """After the shards changed (the optimizer step's write-back): ONE all-reduce (max) of the
+    amaxes of every FP8-gathered weight's local ``shard``, and each weight's scale stored on its
+    Parameter for the gathers until the next change (see [Note: per-step scales]).
+
+    ``shards``: (weight, this rank's shard of it) in an order that is the same on every rank of
+    ``group`` (the ZeRO group the weights are gathered over)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    if not shards:
+        return
+    amax = torch.stack([_shard_amax(shard) for _, shard in shards])
+    collectives.all_reduce(amax, group=group, purpose=PRECOMPUTE_PURPOSE, op=dist.ReduceOp.MAX)
+    for (param, _), scale in zip(shards, amax_to_scale(amax, FP8_DTYPE)):
+        setattr(param, _SCALE, scale)
+
+
+def precomputed_fp8_scales(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
+    """The stored scales of ``params`` as one fp32 vector, or None unless every one has one (the
+    gather then all-reduces its own amaxes)."""
+    scales = [getattr(param, _SCALE, None) for param in params]
+    if not scales or any(scale is None for scale in scales):
+        return None
+    return torch.stack(scales)
+
+
+def forget_fp8_scales(params: Iterable[nn.Parameter]) -> None:
+    """Drop the stored scales (shards written without a new precompute): gathers all-reduce again."""
+    for param in params:
+        if hasattr(param, _SCALE):
+            delattr(param, _SCALE)
+
+
 def start_fp8_all_gather(
-    local: torch.Tensor, spans: list[tuple[int, int]], *, size: int, group: dist.ProcessGroup | None, purpose: str
+    local: torch.Tensor, spans: list[tuple[int, int]], *, size: int, group: dist.ProcessGroup | None, purpose: str,
+    scales: torch.Tensor | None = None,
 ) -> tuple[dist.Work | None, torch.Tensor, Fp8Gather]:
     """All-gather ``local`` (1-D: the weights' shards at ``spans``) as float8_e4m3fn with one
     group-wide scale per weight (see the module note); returns the Work, the uint8 buffer it fills
-    (size, local.numel()) and what turns that buffer into model-dtype values."""
+    (size, local.numel()) and what turns that buffer into model-dtype values.
+
+    ``scales``: the weights' scales from :func:`precompute_fp8_scales` (one per span, in span order):
+    no amax all-reduce here. None: this gather all-reduces its weights' amaxes itself."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
-    amax = torch.stack([
-        local[lo : lo + n].abs().max().to(torch.float32) if n else local.new_zeros((), dtype=torch.float32)
-        for lo, n in spans
-    ])
-    collectives.all_reduce(amax, group=group, purpose=f"fp8 amax {purpose}", op=dist.ReduceOp.MAX)
-    scales = amax_to_scale(amax, FP8_DTYPE)
+    if scales is None:
+        amax = torch.stack([_shard_amax(local[lo : lo + n]) for lo, n in spans])
+        collectives.all_reduce(amax, group=group, purpose=f"fp8 amax {purpose}", op=dist.ReduceOp.MAX)
+        scales = amax_to_scale(amax, FP8_DTYPE)
+    elif scales.shape != (len(spans),):
+        raise ValueError(
+            f"start_fp8_all_gather got {tuple(scales.shape)} scales for {len(spans)} weights; pass one precomputed "
+            "scale per span (precomputed_fp8_scales of the gathered weights, in span order), or None"
+        )
     mine = torch.zeros(local.numel(), dtype=FP8_DTYPE, device=local.device)
     for (lo, n), scale in zip(spans, scales):
         mine[lo : lo + n] = to_fp8_saturated(local[lo : lo + n].to(torch.float32) * scale, FP8_DTYPE)
