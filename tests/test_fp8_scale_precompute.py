@@ -29,7 +29,7 @@ def _shards(rank: int, world: int) -> tuple[list[torch.nn.Parameter], list[torch
     return weights, shards
 
 
-def _step(weights, shards, *, precompute: bool) -> dict:
+def _step(weights, shards, *, precompute: bool | str, masters=None) -> dict:
     """One step's unit gathers (ORDER), with or without the precompute; records the all-reduces."""
     import torch.distributed as dist
 
@@ -40,8 +40,11 @@ def _step(weights, shards, *, precompute: bool) -> dict:
     forget_fp8_scales(weights)
     COMMS_LOGGER.reset()
     COMMS_LOGGER.enabled = True
-    if precompute:  # after the optimizer step: one collective for all three weights
+    if precompute is True:  # after the optimizer step: one collective for all three weights
         precompute_fp8_scales(list(zip(weights, shards)), group=None)
+    if precompute == "from master":  # the gather casts the fp32 master: the amax of the cast shard
+        forget_fp8_scales(weights)
+        precompute_fp8_scales(list(zip(weights, masters)), group=None, dtype=torch.bfloat16)
     wires, rebuilt, scales = [], [], []
     for unit in ORDER:
         members = UNITS[unit]
@@ -69,10 +72,17 @@ def _on_rank() -> dict:
 
     dist.init_process_group("gloo")
     weights, shards = _shards(dist.get_rank(), dist.get_world_size())
-    out = {"per_gather": _step(weights, shards, precompute=False), "precomputed": _step(weights, shards, precompute=True)}
-    from partita.zero.fp8_gather import forget_fp8_scales, precomputed_fp8_scales, start_fp8_all_gather
+    # fp32 "masters" whose bf16 cast is the shard, with values bf16 does not hold (the cast rounds)
+    masters = [s.float() + s.float() * 2**-12 for s in shards]
+    assert all(torch.equal(m.to(torch.bfloat16), s) for m, s in zip(masters, shards))
+    assert not all(torch.equal(m, s.float()) for m, s in zip(masters, shards))
+    out = {"per_gather": _step(weights, shards, precompute=False), "precomputed": _step(weights, shards, precompute=True),
+           "from_master": _step(weights, shards, precompute="from master", masters=masters)}
+    from partita.zero.fp8_gather import forget_fp8_scales, precompute_fp8_scales, precomputed_fp8_scales, start_fp8_all_gather
 
-    out["stored"] = precomputed_fp8_scales(weights)  # left by the precomputed step
+    out["stored"] = precomputed_fp8_scales(weights)  # left by the last precomputed step
+    precompute_fp8_scales(list(zip(weights, masters)), group=None)  # no dtype: the fp32 amax, another scale
+    out["fp32_scales"] = precomputed_fp8_scales(weights)
     forget_fp8_scales(weights)
     out["after_forget"] = precomputed_fp8_scales(weights)
     try:
@@ -108,9 +118,11 @@ def test_one_all_reduce_per_step_instead_of_one_per_gather(ranks) -> None:
         assert rank["precomputed"]["gathered_bytes"] == rank["per_gather"]["gathered_bytes"] > 0
 
 
-def test_precomputed_gathers_are_bit_identical_to_per_gather(ranks) -> None:
+@pytest.mark.parametrize("path", ["precomputed", "from_master"])
+def test_precomputed_gathers_are_bit_identical_to_per_gather(ranks, path) -> None:
+    # from_master: the scales computed from fp32 masters rounded to bf16, as a gather that casts the master sends.
     for rank in ranks:
-        per, pre = rank["per_gather"], rank["precomputed"]
+        per, pre = rank["per_gather"], rank[path]
         for a, b in zip(per["scales"], pre["scales"]):
             assert torch.equal(a, b)
         for a, b in zip(per["wires"], pre["wires"]):
@@ -138,6 +150,7 @@ def test_forget_and_bad_scales(ranks) -> None:
         assert rank["stored"] is not None and rank["stored"].shape == (len(SHAPES),)
         assert torch.equal(rank["stored"], torch.cat(rank["precomputed"]["scales"][:2]))  # units 0 and 1
         assert rank["after_forget"] is None
+        assert not torch.equal(rank["fp32_scales"], rank["stored"])  # why precompute_fp8_scales takes dtype
         assert rank["bad_scales"] == (
             "start_fp8_all_gather got (2,) scales for 1 weights; pass one precomputed scale per span "
             "(precomputed_fp8_scales of the gathered weights, in span order), or None")

@@ -133,18 +133,26 @@ def _shard_amax(shard: torch.Tensor) -> torch.Tensor:
     return shard.abs().max().to(torch.float32) if shard.numel() else shard.new_zeros((), dtype=torch.float32)
 
 
-def precompute_fp8_scales(shards: Sequence[tuple[nn.Parameter, torch.Tensor]], *, group: dist.ProcessGroup | None) -> None:
+def precompute_fp8_scales(
+    shards: Sequence[tuple[nn.Parameter, torch.Tensor]], *, group: dist.ProcessGroup | None,
+    dtype: torch.dtype | None = None,
+) -> None:
     """After the shards changed (the optimizer step's write-back): ONE all-reduce (max) of the
     amaxes of every FP8-gathered weight's local ``shard``, and each weight's scale stored on its
     Parameter for the gathers until the next change (see [Note: per-step scales]).
 
     ``shards``: (weight, this rank's shard of it) in an order that is the same on every rank of
-    ``group`` (the ZeRO group the weights are gathered over)."""
+    ``group`` (the ZeRO group the weights are gathered over). ``dtype``: the dtype the gathers
+    send from (the model dtype) when a shard is held in higher precision (a gather that casts
+    the fp32 master as it copies): each amax is rounded to it, which is the amax of the cast
+    shard (rounding is monotonic and symmetric), so the scale is the per-gather path's."""
     from torchao.float8.float8_utils import amax_to_scale
 
     if not shards:
         return
-    amax = torch.stack([_shard_amax(shard) for _, shard in shards])
+    amax = torch.stack([
+        _shard_amax(shard) if dtype is None else _shard_amax(shard).to(dtype).to(torch.float32) for _, shard in shards
+    ])
     collectives.all_reduce(amax, group=group, purpose=PRECOMPUTE_PURPOSE, op=dist.ReduceOp.MAX)
     for (param, _), scale in zip(shards, amax_to_scale(amax, FP8_DTYPE)):
         setattr(param, _SCALE, scale)
