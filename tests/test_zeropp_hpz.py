@@ -39,11 +39,13 @@ class _Net(nn.Module):
     region and the third alone: backward recomputes the region from its start, so the first block's
     forward runs inside backward before its own backward hook, and its gather is the recompute's."""
 
-    def __init__(self, recompute: bool) -> None:
+    def __init__(self, recompute: bool, frozen_middle: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_Block() for _ in range(3))
         self.head = nn.Linear(WIDTH, CLASSES)
         self.recompute = recompute
+        if frozen_middle:
+            self.blocks[1].requires_grad_(False)  # gradients still flow through it to blocks[0]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.recompute:
@@ -102,7 +104,7 @@ class _Issued:
 
 
 def _train(cfg: dict, *, recompute: bool = False, steps: range = range(STEPS), save: str | None = None,
-           load: str | None = None) -> dict:
+           load: str | None = None, frozen_middle: bool = False) -> dict:
     import torch.distributed as dist
 
     import partita
@@ -113,8 +115,13 @@ def _train(cfg: dict, *, recompute: bool = False, steps: range = range(STEPS), s
                                                setattr(obj, name, value)))
     try:
         torch.manual_seed(0)
-        model = _Net(recompute)
-        engine, _, _, _ = partita.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        if frozen_middle:  # frozen parameters stay sharded only when built under zero.Init
+            with partita.zero.Init(config_dict_or_path=cfg):
+                model = _Net(recompute, frozen_middle=True)
+        else:
+            model = _Net(recompute)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        engine, _, _, _ = partita.initialize(model=model, model_parameters=trained, config=cfg)
         if load is not None:
             engine.load_checkpoint(load, tag="t")
         COMMS_LOGGER.reset()
@@ -195,6 +202,7 @@ def _four_ranks(save_dir: str) -> dict:
         out[f"{name}_ga2"] = _train(_config(hpz, accumulation=2), recompute=True,
                                     save=f"{save_dir}/{name}" if name == "hpz" else None)
         out[f"{name}_qwz"] = _train(_config(hpz, qwz=True))
+        out[f"{name}_frozen"] = _train(_config(hpz), frozen_middle=True)
     out["resumed"] = _train(_config(2, accumulation=2), recompute=True, steps=range(2, STEPS), load=f"{save_dir}/hpz")
     out["bad"] = _refused(_config(3))
     logging.getLogger("partita").removeHandler(warnings)
@@ -226,7 +234,7 @@ def eight(four, save_dir) -> list[dict]:  # after ``four``: it resumes that laun
     return run_distributed(_eight_ranks, 8, save_dir)
 
 
-CASES = ("", "_recompute", "_ga2", "_qwz")
+CASES = ("", "_recompute", "_ga2", "_qwz", "_frozen")
 
 
 def test_losses_are_bit_identical_to_plain_zero3(four) -> None:
@@ -247,8 +255,10 @@ def test_backward_gathers_stay_inside_the_group(four) -> None:
             assert hpz["world_fwd"] == plain["world_fwd"] > 0, case  # the forward's world gathers unchanged
             assert hpz["group_fwd"] == 0 and hpz["group_bwd"] > 0 and hpz["group_sizes"] == [2], case
         # Unquantized, the group gathers are the very gathers plain ZeRO-3 ran over the world in backward.
-        for case in ("", "_recompute", "_ga2"):
+        for case in ("", "_recompute", "_ga2", "_frozen"):
             assert rank[f"hpz{case}"]["group_bwd"] == rank[f"plain{case}"]["world_bwd"], case
+        # The frozen middle block (sharded by zero.Init, no optimizer group) is re-gathered from its copies too.
+        assert rank["hpz_frozen"]["group_bwd"] == rank["hpz"]["group_bwd"]
         # A checkpointed block is gathered (from the group) before its recompute, which runs on those
         # weights inside backward and gathers nothing more: the same group bytes as without recompute.
         assert rank["hpz_recompute"]["group_bwd"] == rank["hpz"]["group_bwd"]
