@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import os
 import subprocess
@@ -24,7 +25,8 @@ STEPS = 4
 
 
 def _run_example(name: str, argv: list[str]) -> tuple[dict, str]:
-    """One rank: the example's ``main`` as the script would run it, with what it printed."""
+    """One rank (a fresh process): the example's ``main`` as the script would run it, with what it
+    printed. The script's folder goes on sys.path, as Python puts it there for a script."""
     sys.path.insert(0, str(EXAMPLES))
     module = importlib.import_module(name)
     out = io.StringIO()
@@ -65,8 +67,11 @@ def test_tensor_parallel_example_holds_about_half_the_weights_per_rank() -> None
 
 
 def test_a_mismatch_is_printed_and_exits_nonzero(capsys) -> None:
-    sys.path.insert(0, str(EXAMPLES))
-    shared = importlib.import_module("_shared")
+    # Loaded from its file: putting examples/ on this test process's sys.path would let its
+    # script names (pipeline, zero3, ...) shadow other modules for the rest of the session.
+    spec = importlib.util.spec_from_file_location("examples_shared", EXAMPLES / "_shared.py")
+    shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shared)
     summary = shared.report("run", [2.0, 1.0], [2.0, 1.001], is_main=True)
     assert shared.exit_code(summary) == 1
     assert "run: losses DIFFER FROM a single-process PyTorch run (max relative difference 1.0e-03" in capsys.readouterr().out
