@@ -192,6 +192,8 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
     x = torch.randint(0, s.vocab, (s.micro_batch, s.seq_len), device=device, generator=gen)
     y = torch.randint(0, s.vocab, (s.micro_batch, s.seq_len), device=device, generator=gen)
     status, losses, start = "ok", [], time.perf_counter()
+    # Running peaks after each step: the held logits' hole can only appear from the second step on.
+    per_step: list[tuple[float, float]] = []
     try:
         if s.eval_first:  # examples/train_gpt.py's evaluate(): a no_grad forward, its outputs dropped
             engine.eval()
@@ -203,6 +205,8 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
+            if cuda:
+                per_step.append((torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB))
             if not s.hold_logits:  # the example keeps them until the next forward returns
                 logits = loss = None
         logits = loss = None
@@ -234,6 +238,7 @@ def run_setting(s: Setting, *, steps: int, cuda: bool) -> dict[str, Any]:
         row["measured"] = {"allocated_gib": allocated / GIB, "reserved_gib": reserved / GIB,
                            "num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0),
                            "inactive_split_peak_gib": stats.get("inactive_split_bytes.all.peak", 0) / GIB,
+                           "running_peaks_per_step_gib": per_step,  # (allocated, reserved) after each step
                            "snapshot": _snapshot_summary()}
         row["error"] = {"allocated": predicted_alloc / allocated - 1.0, "reserved": predicted_res / reserved - 1.0,
                         "tune_guard": guard / reserved - 1.0}
