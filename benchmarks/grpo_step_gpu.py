@@ -3,6 +3,7 @@ TRL's ``GRPOTrainer`` + DeepSpeed ZeRO-3.
 
     python benchmarks/grpo_step_gpu.py --out grpo.json                   # one H200, both engines
     python benchmarks/grpo_step_gpu.py --tiny                            # CPU smoke test, tiny Qwen2
+    python benchmarks/grpo_step_gpu.py --engines partita --cuda-graph    # partita's CUDA-graph rollouts
 
 Issue 29's Measure: a ~0.5B Qwen2-shaped policy (Qwen2-0.5B's config, random weights, bf16) trained by
 TRL's GRPOTrainer with the same ``GRPOConfig`` for both engines, ZeRO-3, a reference model
@@ -110,6 +111,8 @@ def worker(engine: str, args: argparse.Namespace) -> dict:
     else:
         from partita.integrations.hf import with_partita
 
+        if args.cuda_graph:  # partita's rollouts through its static-cache CUDA-graph loop (partita only)
+            ds = {**ds, "generation": {"cuda_graph": True}}
         cls, targs, extra = with_partita(GRPOTrainer), GRPOConfig(**settings), {"partita_config": ds}
     shape = TINY if args.tiny else QWEN2_05B
     clock = StepClock.make()
@@ -144,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--completion", type=int, default=None, help="max completion tokens (default 256; 8 tiny)")
     p.add_argument("--ds-python", default=None, help="interpreter for the DeepSpeed side (default: this one; "
                                                      ".bench-venv's with --tiny)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help='partita side: config "generation": {"cuda_graph": true} (rollouts decoded by partita\'s '
+                        "static-KV-cache loop with CUDA-graph decode steps; on CPU it has no effect)")
     p.add_argument("--out", type=output_file, default=None)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=("partita", "deepspeed"), default=None, help=argparse.SUPPRESS)
@@ -173,7 +179,8 @@ def main() -> None:
     report["settings"] = {"zero_stage": 3, "precision": "fp32" if args.tiny else "bf16", "batch": args.batch,
                           "generations": args.generations, "prompt_tokens": args.prompt,
                           "max_completion_tokens": args.completion, "beta": 0.04, "steps": args.steps,
-                          "warmup": args.warmup, "config": zero3_config()}
+                          "warmup": args.warmup, "config": zero3_config(),
+                          "partita_generation_cuda_graph": args.cuda_graph}
     report["speedup_steps_per_s"] = ratio(report, "steps_per_s")
     report["peak_ratio"] = ratio(report, "peak_allocated_gib")
     print(json.dumps(report, indent=1), flush=True)

@@ -98,9 +98,15 @@ class Engine:
 
         # engine.generate and engine.module.generate run in generation sessions (partita/zero/generation.py):
         # at ZeRO-3 the model is gathered once per call (or streamed with prefetch), not once per token.
+        static_decoding = None
+        if config is not None and config.generation.cuda_graph:
+            from partita.inference.rollouts import RolloutDecoding
+
+            static_decoding = RolloutDecoding(module, rank=topology.rank)
         self._generation = GenerationSessions(
             module=module, zero=zero, topology=topology,
-            mode=config.zero_optimization.stage3_generation if config is not None else "auto")
+            mode=config.zero_optimization.stage3_generation if config is not None else "auto",
+            static_decoding=static_decoding)
         self._generate_wrapper = install_generate(module, self._generation)
 
     def __getattr__(self, name: str) -> Any:

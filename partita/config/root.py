@@ -32,6 +32,7 @@ from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from partita.precision.fp8_config import FP8Config
+from partita.inference.generation_config import GenerationSectionConfig
 from partita.ops.sparse_attention.config import SparseAttentionConfig
 from partita.pipe.config import PipelineConfig
 from partita.sequence.config import SequenceParallelConfig, SequenceTilingConfig
@@ -227,6 +228,14 @@ class PartitaConfig(StrictSection):
         ),
     )
 
+    generation: GenerationSectionConfig = Field(
+        default_factory=GenerationSectionConfig,
+        description=(
+            "partita only: how engine.generate decodes Hugging Face models (\"cuda_graph\": a static KV cache and "
+            "CUDA-graph decode steps, for rollouts from the model being trained). Default: Hugging Face's generate."
+        ),
+        json_schema_extra=PARTITA_KEY,
+    )
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig,
         description=(

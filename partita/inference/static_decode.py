@@ -40,28 +40,69 @@ from torch import nn
 CACHE_BUCKET = 128
 SUPPORTED = frozenset({
     "input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "eos_token_id", "pad_token_id", "streamer", "use_cache", "generation_config",
+    "eos_token_id", "pad_token_id", "bos_token_id", "streamer", "use_cache", "generation_config", "max_length",
+    # Hugging Face's own compile switches (TRL sets disable_compile): the loop is compiled its own way.
+    "disable_compile", "cache_implementation",
 })
 
 
+# Generation-config fields the loop does not implement, with the value at which each does nothing.
+# A field resolved (call, passed config, the model's, Hugging Face's defaults) to anything else
+# sends the call to ``generate``: the loop never silently decodes differently from it.
+_NEUTRAL = {
+    "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+    "min_p": 0.0, "typical_p": 1.0, "top_h": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_length": 0,
+    "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "renormalize_logits": False, "remove_invalid_values": False,
+    "stop_strings": None, "max_time": None, "guidance_scale": None, "watermarking_config": None,
+    "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "return_dict_in_generate": False, "penalty_alpha": None, "dola_layers": None, "prompt_lookup_num_tokens": None,
+    "token_healing": False,
+}
+# Hugging Face's defaults for what neither the call nor a config sets (GenerationConfig's
+# _get_default_generation_params in transformers 5; written out for versions without it).
+_HF_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+class Settings:
+    """A ``generate`` call's settings resolved as ``generate`` resolves them: the call's keyword
+    arguments, then the ``generation_config`` passed, then the model's, then Hugging Face's defaults."""
+
+    def __init__(self, kwargs: dict[str, Any], model_config) -> None:
+        self._layers = [{k: v for k, v in kwargs.items() if k != "generation_config"},
+                        kwargs.get("generation_config"), model_config]
+        defaults = getattr(type(model_config), "_get_default_generation_params", None) if model_config else None
+        self._defaults = {**_HF_DEFAULTS, **(defaults() if callable(defaults) else {})}
+
+    def get(self, name: str, default: Any = None) -> Any:
+        for layer in self._layers:
+            value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
+            if value is not None:
+                return value
+        return self._defaults.get(name, default)
+
+    def unsupported(self) -> list[str]:
+        out = []
+        for name, neutral in _NEUTRAL.items():
+            value = self.get(name)
+            if value is not None and value != neutral and not (neutral is None and value in ((), [], {})):
+                out.append(f"{name}={value!r}")
+        return out
+
+
 def unsupported_reason(kwargs: dict[str, Any], generation_config) -> str | None:
-    """Why the static loop cannot serve this ``generate`` call (None: it can)."""
-    extra = sorted(k for k, v in kwargs.items() if k not in SUPPORTED and v is not None)
+    """Why the static loop cannot serve this ``generate`` call (None: it can); ``generation_config``
+    is the model's."""
+    extra = sorted(k for k, v in kwargs.items() if k not in SUPPORTED and k not in _NEUTRAL and v is not None)
     if extra:
         return f"generate arguments the static-cache loop does not implement: {', '.join(extra)}"
-    config = kwargs.get("generation_config") or generation_config
-    if config is not None and getattr(config, "num_beams", 1) not in (None, 1):
-        return f"beam search (num_beams={config.num_beams})"
+    settings = Settings(kwargs, generation_config).unsupported()
+    if settings:
+        return f"generation settings the static-cache loop does not implement: {', '.join(settings)}"
     if kwargs.get("input_ids") is None:
         return "no input_ids (the static-cache loop needs token ids)"
     return None
-
-
-def _setting(kwargs: dict[str, Any], config, name: str, default: Any) -> Any:
-    if kwargs.get(name) is not None:
-        return kwargs[name]
-    value = getattr(config, name, None) if config is not None else None
-    return default if value is None else value
 
 
 class StaticDecoder:
@@ -120,10 +161,11 @@ class StaticDecoder:
     def generate(self, **kwargs: Any) -> torch.Tensor:
         from transformers import StaticCache
 
-        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        settings = Settings(kwargs, getattr(self.model, "generation_config", None))
         input_ids: torch.Tensor = kwargs["input_ids"]
         batch, prompt = input_ids.shape
-        new = int(_setting(kwargs, config, "max_new_tokens", 20))
+        new = settings.get("max_new_tokens")
+        new = int(new if new is not None else settings.get("max_length") - prompt)
         if new < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {new}")
         total = prompt + new
@@ -132,14 +174,14 @@ class StaticDecoder:
                 f"generate asks for {total} tokens (prompt {prompt} + max_new_tokens {new}) but the inference engine's "
                 f"max_out_tokens is {self.max_out_tokens}; raise max_out_tokens in init_inference or generate fewer tokens"
             )
-        min_new = int(_setting(kwargs, config, "min_new_tokens", 0))
-        do_sample = bool(_setting(kwargs, config, "do_sample", False))
-        temperature = float(_setting(kwargs, config, "temperature", 1.0))
-        top_k = int(_setting(kwargs, config, "top_k", 0) or 0)
-        top_p = float(_setting(kwargs, config, "top_p", 1.0))
-        eos = _setting(kwargs, config, "eos_token_id", None)
+        min_new = int(settings.get("min_new_tokens", 0))
+        do_sample = bool(settings.get("do_sample", False))
+        temperature = float(settings.get("temperature", 1.0))
+        top_k = int(settings.get("top_k", 0) or 0)
+        top_p = float(settings.get("top_p", 1.0))
+        eos = settings.get("eos_token_id", None)
         eos_ids = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=input_ids.device)
-        pad = _setting(kwargs, config, "pad_token_id", None)
+        pad = settings.get("pad_token_id", None)
         pad = pad if pad is not None else (int(eos_ids[0]) if eos_ids is not None else 0)
         streamer = kwargs.get("streamer")
 

@@ -80,8 +80,11 @@ __all__ = ["GATHER_ONCE", "STREAM", "GenerationSessions", "SessionGenerate", "in
 class GenerationSessions:
     """One engine's generation sessions (see [Note: generating under ZeRO-3])."""
 
-    def __init__(self, *, module: nn.Module, zero, topology, mode: str = "auto") -> None:
+    def __init__(self, *, module: nn.Module, zero, topology, mode: str = "auto", static_decoding=None) -> None:
         self._module = module
+        # generation.cuda_graph: partita/inference/rollouts.py's RolloutDecoding (given by the engine, which
+        # sits above both packages), used for calls whose forwards run no collective.
+        self._static_decoding = static_decoding
         self._zero = zero
         self._topology = topology
         self._mode = mode
@@ -96,8 +99,12 @@ class GenerationSessions:
             return generate(*args, **kwargs)
         self._depth += 1
         try:
-            with torch.no_grad(), self._session(args, kwargs) as kwargs:
-                return generate(*args, **kwargs)
+            with torch.no_grad(), self._session(args, kwargs) as (kwargs, quiet):
+                decode = self._static_decoding.prepare(args, kwargs) if quiet and self._static_decoding else None
+                if decode is None:
+                    return generate(*args, **kwargs)
+                with _inert_hooks(self._zero.gatherer):
+                    return decode()
         finally:
             self._depth -= 1
 
@@ -110,8 +117,10 @@ class GenerationSessions:
         lockstep = multi and (self._topology.tensor_size > 1 or self._topology.sequence_size > 1
                               or _has_expert_parallelism(self._module))
         syncable = _takes_synced_gpus(self._module)
+        # Yields the call's kwargs and whether its forwards run no collective (the static-cache loop
+        # may serve it: it runs one forward per token on this rank alone).
         if gatherer is None:
-            yield {"synced_gpus": True, **kwargs} if syncable and lockstep else kwargs
+            yield ({"synced_gpus": True, **kwargs} if syncable and lockstep else kwargs), not lockstep
             return
         mode, held = self._choose(gatherer, args, kwargs)
         self.last_mode, self.held_units = mode, len(held)
@@ -119,9 +128,9 @@ class GenerationSessions:
         hold.start()  # one all-gather per unit: a unit's transient buffer, not the model's
         try:
             if mode == STREAM:  # the units not held are gathered by every forward: a collective
-                yield {"synced_gpus": True, **kwargs} if syncable and multi else kwargs
+                yield ({"synced_gpus": True, **kwargs} if syncable and multi else kwargs), False
             else:  # no collective per token from ZeRO: ranks may finish apart (unless the model's own forwards sync)
-                yield {"synced_gpus": lockstep, **kwargs} if syncable else kwargs
+                yield ({"synced_gpus": lockstep, **kwargs} if syncable else kwargs), not lockstep
         finally:
             hold.end()
 
@@ -221,6 +230,20 @@ def _reserve_bytes(module: nn.Module, args: tuple, kwargs: dict, model_bytes: in
     length = max(length, ids.shape[1])
     element = next(module.parameters()).element_size()
     return 2 * layers * ids.shape[0] * length * kv_heads * head_dim * element + margin
+
+
+@contextlib.contextmanager
+def _inert_hooks(gatherer) -> Iterator[None]:
+    """Every unit is held: the gatherer's hooks have nothing to do while the static-cache loop runs,
+    and a compiled decode step must not trace them (they read autograd state dynamo cannot)."""
+    if gatherer is None:
+        yield
+        return
+    gatherer.hooks_inert = True
+    try:
+        yield
+    finally:
+        gatherer.hooks_inert = False
 
 
 def _first_int(config: Any, *names: str) -> int | None:

@@ -79,6 +79,9 @@ from partita.zero.units import GatherBeforeBackward, ReleaseAfterBackward, in_ba
 class ParameterGatherer:
     """Owns the sharded parameters of stage 3: their low-precision shards, gathering, freeing."""
 
+    # True while a generation session holds every unit for a compiled decode (zero/generation.py).
+    hooks_inert = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -220,6 +223,8 @@ class ParameterGatherer:
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
+        if self.hooks_inert:
+            return None
         training = self._root.training and torch.is_grad_enabled()
         if unit is self._root and not in_backward_pass():
             if training:
@@ -238,6 +243,8 @@ class ParameterGatherer:
     def _hook_inputs(self, unit: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         """A unit with frozen parameters (no gradient hook frees them): freed once its inputs'
         gradients exist, positional or keyword (inputs that need none: at the end of backward)."""
+        if self.hooks_inert:
+            return None
         return through_function(ReleaseAfterBackward, self, unit, (args, kwargs)) if torch.is_grad_enabled() else None
 
     def on_post_backward(self, unit: nn.Module) -> None:
@@ -255,6 +262,8 @@ class ParameterGatherer:
             self._prefetch(self.trace.upcoming(Phase.BACKWARD, resume))
 
     def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> Any:
+        if self.hooks_inert:
+            return None
         if self._in_forward:
             self._forward_event(unit, end=True)
         elif in_backward_pass():
