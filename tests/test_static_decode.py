@@ -115,7 +115,7 @@ def test_refusals():
         StaticDecoder(model, compile=False).generate(input_ids=_prompt(), max_new_tokens=0)
     config = model.generation_config
     assert unsupported_reason({"input_ids": _prompt(), "num_beams": 4}, config) == (
-        "generate arguments the static-cache loop does not implement: num_beams")
+        "generation settings the static-cache loop does not implement: num_beams=4")
     assert unsupported_reason({"input_ids": _prompt(), "logits_processor": [object()]}, config) == (
         "generate arguments the static-cache loop does not implement: logits_processor")
     assert unsupported_reason({"inputs_embeds": torch.zeros(1, 2, 64)}, config) == (
