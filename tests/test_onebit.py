@@ -139,28 +139,6 @@ def test_onebit_adam_zero(stage):
         assert torch.equal(value, results[1][-1][name]), name
 
 
-@pytest.mark.parametrize(
-    "kind, why",
-    [("ZeroOneAdam", "DeepSpeed's 0/1 Adam: its local steps let every rank's whole model drift between "
-                     "synchronisations, and its adaptive variance/local-step schedules are not built"),
-     ("onebitlamb", "DeepSpeed's 1-bit LAMB: partita has no LAMB (its warm-up) and no frozen layer-wise "
-                    "scaling coefficients yet")],
-)
-def test_unbuilt_one_bit_types_are_refused(kind, why):
-    from partita.config import load_config
-    from partita.config.base import ConfigError
-    from partita.optim.config import OPTIMIZER_TYPES
-
-    with pytest.raises(ConfigError) as info:
-        load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": {"var_freeze_step": 10}}})
-    expected = (
-        f"optimizer type {kind!r} is not implemented in partita ({why}). The 1-bit optimizer partita has is "
-        "\"OneBitAdam\" (1-bit Adam at ZeRO stages 0-2; its warm-up length is freeze_step). Supported "
-        f"types: {', '.join(OPTIMIZER_TYPES)}"
-    )
-    assert expected in str(info.value)
-
-
 def test_onebit_adam_params_validated():
     from partita.config import load_config
     from partita.config.base import ConfigError

@@ -60,8 +60,8 @@ def test_unknown_type_lists_supported_and_suggests():
             ("type",),
             "Value error, unknown optimizer type 'Adma'; did you mean 'Adam' or 'AdamW'? Supported: "
             "Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, PagedAdamW8bit, PagedAdam8bit, "
-            "PagedLion8bit, OneBitAdam. Other DeepSpeed optimizers (Lamb, ZeroOneAdam, "
-            "OneBitLamb, Adagrad, Muon) are not implemented yet.",
+            "PagedLion8bit, OneBitAdam, ZeroOneAdam, OneBitLamb. Other DeepSpeed optimizers (Lamb, "
+            "Adagrad, Muon) are not implemented yet.",
         )
     ]
     assert _errors({"type": "Rprop"})[0][1].startswith("Value error, unknown optimizer type 'Rprop'. Supported:")
@@ -74,7 +74,7 @@ def test_known_deepspeed_type_not_implemented():
             ("type",),
             "Value error, optimizer type 'lamb': DeepSpeed's Lamb is not implemented "
             "in partita yet. Supported: Adam, AdamW, SGD, Lion, AdamW8bit, Adam8bit, Lion8bit, "
-            "PagedAdamW8bit, PagedAdam8bit, PagedLion8bit, OneBitAdam.",
+            "PagedAdamW8bit, PagedAdam8bit, PagedLion8bit, OneBitAdam, ZeroOneAdam, OneBitLamb.",
         )
     ]
 

@@ -45,6 +45,8 @@ __all__ = [
     "AdamW8bitParams",
     "Adam8bitParams",
     "OneBitAdamParams",
+    "ZeroOneAdamParams",
+    "OneBitLambParams",
     "OptimizerConfig",
     "WarmupLRParams",
     "WarmupDecayLRParams",
@@ -215,23 +217,38 @@ class Adam8bitParams(AdamW8bitParams):
         return self
 
 
-class OneBitAdamParams(_OptimizerParams):
-    """DeepSpeed ``"OneBitAdam"`` (partita/optim/onebit.py): AdamW for ``freeze_step`` steps, then
-    frozen variance and 1-bit compressed momentum. Weight decay is decoupled (as DeepSpeed's
-    OnebitAdam adds ``weight_decay * p`` to the update). ``cuda_aware`` and ``comm_backend_name``
-    are accepted so DeepSpeed configs load: partita always compresses through torch.distributed
-    (gloo or NCCL, whichever the job runs on); the MPI backend is refused."""
+class _OneBitCommon(_OptimizerParams):
+    """What the 1-bit optimizers share. ``cuda_aware`` and ``comm_backend_name`` are accepted so
+    DeepSpeed configs load: partita always compresses through torch.distributed (gloo or NCCL,
+    whichever the job runs on); the MPI backend is refused."""
 
     lr: NonNegFloat = 1e-3
     betas: Betas = (0.9, 0.999)
     eps: NonNegFloat = 1e-8
     weight_decay: NonNegFloat = 0.0
-    freeze_step: PosInt = 100000
     bias_correction: bool = True
     eps_inside_sqrt: bool = False
     amsgrad: bool = False
     cuda_aware: bool = False
     comm_backend_name: str = "nccl"
+
+    @field_validator("comm_backend_name")
+    @classmethod
+    def _torch_backends(cls, value: str) -> str:
+        if value not in ("nccl", "gloo", "hccl", "compressed"):
+            raise ValueError(
+                f"comm_backend_name {value!r}: partita compresses through torch.distributed collectives on the job's "
+                "own backend (no MPI, no cupy); use \"nccl\" (any of nccl, gloo, hccl, compressed means the same here)"
+            )
+        return value
+
+
+class OneBitAdamParams(_OneBitCommon):
+    """DeepSpeed ``"OneBitAdam"`` (partita/optim/onebit.py): AdamW for ``freeze_step`` steps, then
+    frozen variance and 1-bit compressed momentum. Weight decay is decoupled (as DeepSpeed's
+    OnebitAdam adds ``weight_decay * p`` to the update)."""
+
+    freeze_step: PosInt = 100000
 
     @field_validator("bias_correction", "eps_inside_sqrt", "amsgrad")
     @classmethod
@@ -245,15 +262,61 @@ class OneBitAdamParams(_OptimizerParams):
             )
         return value
 
-    @field_validator("comm_backend_name")
+
+class _OneBitFamilyParams(_OneBitCommon):
+    """What 0/1 Adam and 1-bit LAMB share. DeepSpeed's 0/1 Adam and 1-bit LAMB read
+    ``bias_correction`` but never apply it (their updates are uncorrected); it is accepted with that
+    meaning here, either value."""
+
+    _kind: ClassVar[str] = ""
+
+    @field_validator("eps_inside_sqrt", "amsgrad")
     @classmethod
-    def _torch_backends(cls, value: str) -> str:
-        if value not in ("nccl", "gloo", "hccl", "compressed"):
+    def _only_defaults(cls, value: bool, info: ValidationInfo) -> bool:
+        if value:
             raise ValueError(
-                f"comm_backend_name {value!r}: partita compresses through torch.distributed collectives on the job's "
-                "own backend (no MPI, no cupy); use \"nccl\" (any of nccl, gloo, hccl, compressed means the same here)"
+                f"{info.field_name}=true is not supported by {cls._kind} (as in DeepSpeed's {cls._kind}: eps outside "
+                f"the square root, no AMSGrad); remove {info.field_name}"
             )
         return value
+
+
+class ZeroOneAdamParams(_OneBitFamilyParams):
+    """DeepSpeed ``"ZeroOneAdam"`` (0/1 Adam, partita/optim/zero_one_adam.py): the variance refreshed at
+    exponentially spaced steps up to ``var_freeze_step``, 1-bit compressed gradients in between, then
+    frozen variance and local steps synchronised as 1-bit compressed momentum. DeepSpeed's defaults."""
+
+    _kind: ClassVar[str] = "ZeroOneAdam"
+    var_freeze_step: PosInt = 100000
+    var_update_scaler: PosInt = 16
+    local_step_scaler: PosInt = 32678
+    local_step_clipper: PosInt = 16
+
+
+class OneBitLambParams(_OneBitFamilyParams):
+    """DeepSpeed ``"OneBitLamb"`` (1-bit LAMB, partita/optim/onebit_lamb.py): LAMB until
+    ``freeze_step``, then 1-bit compressed momentum with the frozen per-parameter LAMB coefficients,
+    rescaled by a factor clamped to ``[factor_min, factor_max]`` that moves at most
+    ``factor_threshold`` per step. DeepSpeed's defaults."""
+
+    _kind: ClassVar[str] = "OneBitLamb"
+    freeze_step: Annotated[JsonInt, Field(ge=2)] = 100000
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    coeff_beta: Beta = 0.9
+    factor_max: NonNegFloat = 4.0
+    factor_min: NonNegFloat = 0.5
+    factor_threshold: Beta = 0.1
+
+    @model_validator(mode="after")
+    def _ordered_bounds(self) -> OneBitLambParams:
+        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"{low} ({getattr(self, low)}) is greater than {high} ({getattr(self, high)}): LAMB clamps into "
+                    f"[{low}, {high}]; set {low} <= {high}"
+                )
+        return self
 
 
 _OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
@@ -270,10 +333,12 @@ _OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
     "PagedAdam8bit": Adam8bitParams,
     "PagedLion8bit": LionParams,
     "OneBitAdam": OneBitAdamParams,
+    "ZeroOneAdam": ZeroOneAdamParams,
+    "OneBitLamb": OneBitLambParams,
 }
 OPTIMIZER_TYPES: tuple[str, ...] = tuple(_OPTIMIZER_PARAMS)
 # DeepSpeed config types partita knows about but does not implement.
-_PENDING_OPTIMIZERS = ("Lamb", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Muon")
+_PENDING_OPTIMIZERS = ("Lamb", "Adagrad", "Muon")
 _FOUR_BIT = ("AdamW4bit", "Adam4bit")
 
 
@@ -283,28 +348,6 @@ def _refuse_four_bit(value: Any) -> None:
             f"optimizer type {value!r} is not implemented: partita's low-bit optimizers come from "
             "bitsandbytes, which has no 4-bit optimizer (torchao's 4-bit states are tensor "
             "subclasses partita cannot shard or checkpoint yet); use \"AdamW8bit\""
-        )
-
-
-_UNBUILT_ONE_BIT = {
-    "zerooneadam": (
-        "ZeroOneAdam", "DeepSpeed's 0/1 Adam: its local steps let every rank's whole model drift between "
-        "synchronisations, and its adaptive variance/local-step schedules are not built"
-    ),
-    "onebitlamb": (
-        "OneBitLamb", "DeepSpeed's 1-bit LAMB: partita has no LAMB (its warm-up) and no frozen layer-wise "
-        "scaling coefficients yet"
-    ),
-}
-
-
-def _refuse_unbuilt_one_bit(value: Any) -> None:
-    if isinstance(value, str) and value.lower() in _UNBUILT_ONE_BIT:
-        name, why = _UNBUILT_ONE_BIT[value.lower()]
-        raise ValueError(
-            f"optimizer type {value!r} is not implemented in partita ({why}). The 1-bit optimizer partita has is "
-            f"\"OneBitAdam\" (1-bit Adam at ZeRO stages 0-2; its warm-up length is freeze_step). Supported "
-            f"types: {', '.join(OPTIMIZER_TYPES)}"
         )
 
 
@@ -331,7 +374,7 @@ class OptimizerConfig(StrictSection):
 
     type: Literal[
         "Adam", "AdamW", "SGD", "Lion", "AdamW8bit", "Adam8bit", "Lion8bit", "PagedAdamW8bit", "PagedAdam8bit", "PagedLion8bit",
-        "OneBitAdam",
+        "OneBitAdam", "ZeroOneAdam", "OneBitLamb",
     ]
     params: SerializeAsAny[_OptimizerParams] = Field(default_factory=dict)
 
@@ -339,7 +382,6 @@ class OptimizerConfig(StrictSection):
     @classmethod
     def _canonical(cls, value: Any) -> str:
         _refuse_four_bit(value)
-        _refuse_unbuilt_one_bit(value)
         return _canonical_type(
             value, supported=OPTIMIZER_TYPES, known_elsewhere=_PENDING_OPTIMIZERS, what="optimizer"
         )

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from partita.optim.config import AdamParams, LionParams, OneBitAdamParams, OptimizerConfig, SGDParams
+from partita.optim.config import (AdamParams, LionParams, OneBitAdamParams, OneBitLambParams, OptimizerConfig, SGDParams,
+                                  ZeroOneAdamParams)
 from partita.optim.eight_bit import BLOCK_SIZE, EIGHT_BIT_CLASSES, build_eight_bit_optimizer
 from partita.optim.lion import Lion
 
@@ -73,6 +74,19 @@ def build_optimizer(
 
         return OneBitAdam(groups, lr=params.lr, betas=params.betas, eps=params.eps,
                           weight_decay=params.weight_decay, freeze_step=params.freeze_step)
+    if isinstance(params, ZeroOneAdamParams):
+        from partita.optim.zero_one_adam import ZeroOneAdam  # lazily: it imports partita.zero
+
+        return ZeroOneAdam(groups, lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay,
+                           var_freeze_step=params.var_freeze_step, var_update_scaler=params.var_update_scaler,
+                           local_step_scaler=params.local_step_scaler, local_step_clipper=params.local_step_clipper)
+    if isinstance(params, OneBitLambParams):
+        from partita.optim.onebit_lamb import OneBitLamb  # lazily: it imports partita.zero
+
+        return OneBitLamb(groups, lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay,
+                          freeze_step=params.freeze_step, max_coeff=params.max_coeff, min_coeff=params.min_coeff,
+                          coeff_beta=params.coeff_beta, factor_max=params.factor_max, factor_min=params.factor_min,
+                          factor_threshold=params.factor_threshold)
     if isinstance(params, AdamParams):  # covers AdamWParams
         return _build_adam(config.type, params, groups, device_type=device_type)
     if isinstance(params, SGDParams):

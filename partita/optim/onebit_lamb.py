@@ -1,0 +1,163 @@
+"""1-bit LAMB (DeepSpeed's ``OneBitLamb``, arXiv 2104.06069) at ZeRO stage 0.
+
+Steps are counted as DeepSpeed counts them (partita/optim/zero_one_adam.py, [Note: DeepSpeed's steps]):
+DeepSpeed's first step only sets up buffers, so partita's update ``n`` is DeepSpeed's step ``n + 1``;
+the warm-up is DeepSpeed's steps ``2 .. freeze_step``, i.e. ``freeze_step - 1`` LAMB updates, and
+compression starts at the same update as on DeepSpeed.
+
+Warm-up: LAMB on the engine's averaged gradient, per parameter (DeepSpeed's update, no bias correction):
+``u = m / (sqrt(v) + eps) + weight_decay * p``, trust ratio ``|p| / |u|`` clamped to
+``[min_coeff, max_coeff]`` (1 when either norm is zero), ``p -= lr * ratio * u``. Each parameter keeps
+an EMA of its ratios (``coeff_beta``; ratios of exactly 1 are left out, as in DeepSpeed): the frozen
+coefficient of the compressed phase. The last warm-up step copies the variance into
+``exp_avg_sq_fresh``.
+
+Compressed phase: the variance ``v`` is frozen. At its first step each parameter gets a momentum
+scaling ``mean_q(rms(m_q)) / rms(m_p)`` (all parameters of all groups; 1 where ``m_p`` is zero),
+which evens out the parameters' momentum sizes so that one 1-bit scale per chunk suits them all.
+Each step the local momentum ``(b1 m + (1 - b1) g_local) * scaling`` goes through the
+error-compensated 1-bit exchange, and is unscaled. From it the gradient is reconstructed,
+``(m - b1 m_last) / (1 - b1)``, and feeds ``exp_avg_sq_fresh``. The per-parameter factor
+``max(denom / denom_fresh)`` (blended towards 1 by the update's non-decay share when weight decay
+is on) is clamped to ``[factor_min, factor_max]`` and to ``last_factor * (1 +- factor_threshold)``; the
+step is ``p -= lr * frozen_coeff * factor * u`` with the frozen ``v``.
+
+Checkpoints: ``exp_avg``, ``exp_avg_sq`` and ``exp_avg_sq_fresh`` are per-element state; the
+per-parameter coefficients (``lamb_coeff_freeze``, ``last_factor``, ``scaling_coeff``) are lists of
+floats in the state (JSON in the checkpoint); the error feedback is saved per rank as OneBitAdam's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from partita.optim.onebit_family import OneBitFamily
+
+__all__ = ["OneBitLamb"]
+
+
+def _spans(group) -> list[slice]:
+    return [slice(s.partition_offset, s.partition_offset + s.numel) for s in group.layout.specs]
+
+
+def _norms(x: torch.Tensor, spans: list[slice]) -> list[float]:
+    """Each parameter's L2 norm of the flat ``x`` (one host transfer)."""
+    return torch.stack([torch.linalg.vector_norm(x[span]) for span in spans]).tolist()
+
+
+class OneBitLamb(OneBitFamily):
+    kind = "OneBitLamb"
+    purpose = "1-bit LAMB momentum exchange"
+    stage_reason = ("its trust ratios are per whole parameter, and at stages 1-2 a rank holds only its partition "
+                    "of the fp32 master weights")
+
+    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 freeze_step: int, max_coeff: float, min_coeff: float, coeff_beta: float, factor_max: float,
+                 factor_min: float, factor_threshold: float) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                                      min_coeff=min_coeff))
+        self.freeze_step = freeze_step
+        self.coeff_beta = coeff_beta
+        self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+
+    def init_state(self, master: torch.Tensor) -> dict:
+        state = super().init_state(master)
+        if "lamb_coeff_freeze" not in state:
+            count = len(self.zero_groups[self._group_index(master)].params)
+            state["lamb_coeff_freeze"] = [0.0] * count
+            state["last_factor"] = [1.0] * count
+        return state
+
+    def _group_index(self, master: torch.Tensor) -> int:
+        return next(g for g, o in enumerate(self.param_groups) if o["params"][0] is master)
+
+    def compressed_phase(self) -> bool:
+        """DeepSpeed compresses from its step freeze_step + 1 (partita's update freeze_step)."""
+        return self.steps_done() + 2 > self.freeze_step
+
+    # ------------------------------------------------------------------ warm-up: LAMB
+    def _full_update(self) -> None:
+        last_warm_up = self.steps_done() + 2 == self.freeze_step
+        for g, options in enumerate(self.param_groups):
+            master = options["params"][0]
+            state = self.init_state(master)
+            beta1, beta2 = options["betas"]
+            if master.grad is not None:
+                grad = master.grad
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if last_warm_up:
+                state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + options["eps"])
+            if options["weight_decay"] > 0:
+                update.add_(master, alpha=options["weight_decay"])
+            spans = _spans(self.zero_groups[g])
+            freeze = state["lamb_coeff_freeze"]
+            for j, (span, weight_norm, update_norm) in enumerate(zip(spans, _norms(master, spans), _norms(update, spans))):
+                coeff = 1.0
+                if weight_norm != 0 and update_norm != 0:
+                    coeff = min(max(weight_norm / update_norm, options["min_coeff"]), options["max_coeff"])
+                if coeff != 1.0:
+                    freeze[j] = self.coeff_beta * freeze[j] + (1 - self.coeff_beta) * coeff
+                master[span].add_(update[span], alpha=-options["lr"] * coeff)
+            state["step"] += 1
+
+    # ------------------------------------------------------------------ compressed phase
+    def _scaling(self) -> None:
+        """Each parameter's momentum scaling, fixed at the first compressed step (over all groups)."""
+        rms = []
+        for g, options in enumerate(self.param_groups):
+            exp_avg = self.init_state(options["params"][0])["exp_avg"]
+            spans = _spans(self.zero_groups[g])
+            rms.append([n / math.sqrt(s.stop - s.start) for n, s in zip(_norms(exp_avg, spans), spans)])
+        flat = [r for group_rms in rms for r in group_rms]
+        united = sum(flat) / len(flat)
+        for options, group_rms in zip(self.param_groups, rms):
+            self.state[options["params"][0]]["scaling_coeff"] = [united / r if r > 0 else 1.0 for r in group_rms]
+
+    def _compressed_update(self, grads: list[torch.Tensor], used: list[list[bool]]) -> None:
+        if "scaling_coeff" not in self.init_state(self.param_groups[0]["params"][0]):
+            self._scaling()
+        for g, options in enumerate(self.param_groups):
+            master = options["params"][0]
+            state = self.init_state(master)
+            spans = _spans(self.zero_groups[g])
+            scaling = state["scaling_coeff"]
+            beta1, beta2 = options["betas"]
+            exp_avg = state["exp_avg"]
+            last = exp_avg.clone()
+            local = self.rows[g].own(grads[g])  # this rank's momentum estimate, scaled, in place
+            local.mul_(1 - beta1).add_(exp_avg, alpha=beta1)
+            for span, c in zip(spans, scaling):
+                local[span].mul_(c)
+            exp_avg.copy_(self.rows[g].own(self.exchange(g, grads[g], used[g])))
+            for span, c in zip(spans, scaling):
+                exp_avg[span].div_(c)
+            fresh = state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
+            rebuilt = (exp_avg - last * beta1) / (1 - beta1)
+            fresh.mul_(beta2).addcmul_(rebuilt, rebuilt, value=1 - beta2)
+            denom = state["exp_avg_sq"].sqrt().add_(options["eps"])
+            prelim = exp_avg / denom
+            update = prelim.clone()
+            if options["weight_decay"] > 0:
+                update.add_(master, alpha=options["weight_decay"])
+            ratio_of = denom / (fresh.sqrt() + options["eps"])
+            factors = torch.stack([ratio_of[span].max() for span in spans]).tolist()
+            update_norms = _norms(update, spans)
+            prelim_norms = _norms(prelim, spans) if options["weight_decay"] > 0 else update_norms
+            for j, span in enumerate(spans):
+                if not used[g][j]:
+                    continue  # no gradient anywhere: weights and state are put back (unused_params.py)
+                factor = factors[j]
+                if options["weight_decay"] > 0:
+                    share = min(1.0, prelim_norms[j] / update_norms[j]) if update_norms[j] > 0 else 1.0
+                    factor = factor * share + (1.0 - share)
+                factor = min(max(factor, self.factor_min), self.factor_max)
+                previous = state["last_factor"][j]
+                factor = min(max(factor, previous * (1.0 - self.factor_threshold)), previous * (1.0 + self.factor_threshold))
+                state["last_factor"][j] = factor
+                master[span].add_(update[span], alpha=-options["lr"] * state["lamb_coeff_freeze"][j] * factor)
+            state["step"] += 1
