@@ -71,14 +71,15 @@ def snapshot(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def reference_losses(model: nn.Module, batches: torch.Tensor,
+def reference_losses(model: nn.Module, batches: torch.Tensor, device: torch.device,
                      loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> list[float]:
-    """Plain PyTorch in this process: the whole global batch per step, the gradient norm clipped,
-    ``torch.optim.AdamW``."""
+    """Plain PyTorch in this process on the engine's device (the same kernels): the whole global
+    batch per step, the gradient norm clipped, ``torch.optim.AdamW``."""
     loss_of = loss_of or (lambda m, x, y: m(x, y)[1])
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
-    for batch in batches:
+    for batch in batches.to(device):
         loss = loss_of(model, batch[:, :-1], batch[:, 1:])
         opt.zero_grad()
         loss.backward()

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = corpus_batches(args.steps, args.batch)
     losses = []
     for batch in batches:
-        rows = batch[topology.data_rank * micro:(topology.data_rank + 1) * micro]
+        rows = batch[topology.data_rank * micro:(topology.data_rank + 1) * micro].to(engine.device)
         _, loss = engine(rows[:, :-1], rows[:, 1:])
         engine.backward(loss)
         engine.step()
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     is_main = topology.rank == 0
     if is_main:
         print(f"expert parallel: rank 0 holds experts {list(moe.local_expert_indices)} of {moe.num_experts}", flush=True)
-    reference = reference_losses(moe_gpt(ep_size=1), batches) if args.check and is_main else None
+    reference = reference_losses(moe_gpt(ep_size=1), batches, engine.device) if args.check and is_main else None
     summary = report(f"expert parallel over {topology.data_size} ranks", losses, reference, is_main=is_main)
     summary["local_experts"] = list(moe.local_expert_indices)
     engine.destroy()

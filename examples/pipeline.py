@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = corpus_batches(args.steps, args.batch)
     losses = []
     for batch in batches:
-        rows = batch[topology.data_rank * rows_per_rank:(topology.data_rank + 1) * rows_per_rank]
+        rows = batch[topology.data_rank * rows_per_rank:(topology.data_rank + 1) * rows_per_rank].to(engine.device)
         micro_batches = iter([(part[:, :-1], part[:, 1:]) for part in rows.split(MICRO)])
         losses.append(engine.train_batch(micro_batches).item())  # the mean over micro-batches and data ranks
     is_main = topology.rank == 0
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"pipeline: stage 0 holds layers {model.parts[0]}-{model.parts[1] - 1} of {len(layers())}", flush=True)
     reference = None
     if args.check and is_main:
-        reference = reference_losses(single_process_model(), batches, lambda m, x, y: next_byte_loss(m(x), y))
+        reference = reference_losses(single_process_model(), batches, engine.device,
+                                     lambda m, x, y: next_byte_loss(m(x), y))
     summary = report(f"pipeline over {topology.pipe_size} stages (data {topology.data_size})", losses, reference,
                      is_main=is_main)
     engine.destroy()

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = corpus_batches(args.steps, args.batch)
     losses = []
     for batch in batches:
-        rows = batch[topology.data_rank * micro:(topology.data_rank + 1) * micro]
+        rows = batch[topology.data_rank * micro:(topology.data_rank + 1) * micro].to(engine.device)
         _, loss = engine(rows[:, :-1], rows[:, 1:])  # the vocabulary-parallel loss: the same on both tensor ranks
         engine.backward(loss)
         engine.step()
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     is_main = topology.rank == 0
     if is_main:
         print(f"tensor parallel: {weights:,} of the model's {whole:,} weights on this rank", flush=True)
-    reference = reference_losses(reference_model, batches) if args.check and is_main else None
+    reference = reference_losses(reference_model, batches, engine.device) if args.check and is_main else None
     summary = report(f"tensor parallel over {topology.tensor_size} ranks (data {topology.data_size})", losses,
                      reference, is_main=is_main)
     summary["weights_on_rank"] = weights

@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> dict:
     batches = corpus_batches(args.steps, args.batch)
     losses = []
     for batch in batches:
-        rows = batch[topology.data_rank * micro:(topology.data_rank + 1) * micro]
+        rows = batch[topology.data_rank * micro:(topology.data_rank + 1) * micro].to(engine.device)
         _, loss = engine(rows[:, :-1], rows[:, 1:])
         engine.backward(loss)
         engine.step()
         losses.append(mean_over(loss, topology.data_group))
     is_main = topology.rank == 0
-    reference = reference_losses(reference_model, batches) if args.check and is_main else None
+    reference = reference_losses(reference_model, batches, engine.device) if args.check and is_main else None
     summary = report(f"ZeRO-3 over {topology.data_size} ranks", losses, reference, is_main=is_main)
     engine.destroy()
     return summary
