@@ -34,6 +34,7 @@ what cannot be fixed cheaply, with the reason written next to it.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,10 +164,10 @@ def test_an_upward_import_is_found_and_type_checking_ones_are_not(tmp_path: Path
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
-    monkeypatch.setattr(__import__(__name__, fromlist=["LAYERS"]), "LAYERS",
-                        [("config", []), ("low", ["low"]), ("high", ["high", ""])])
-    monkeypatch.setattr(__import__(__name__, fromlist=["MODULE_LAYERS"]), "MODULE_LAYERS", {})
-    monkeypatch.setattr(__import__(__name__, fromlist=["SHIMS"]), "SHIMS", ("pkg.none",))
+    this = sys.modules[__name__]
+    monkeypatch.setattr(this, "LAYERS", [("config", []), ("low", ["low"]), ("high", ["high", ""])])
+    monkeypatch.setattr(this, "MODULE_LAYERS", {})
+    monkeypatch.setattr(this, "SHIMS", ("pkg.none",))
     found = upward_imports(import_graph(tmp_path / "pkg", "pkg"))
     # the in-function import counts, the TYPE_CHECKING one does not; high -> low is downward
     assert found == {("pkg.low.a", "pkg.high"): [5], ("pkg.low.a", "pkg.high.b"): [5],
