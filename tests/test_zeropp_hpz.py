@@ -57,7 +57,9 @@ class _Net(nn.Module):
         return F.cross_entropy(self.head(x).float(), y)
 
 
-def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False) -> dict:
+def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False, offload: bool = False) -> dict:
+    # offload: the shards in host memory (offload_param) and the optimizer there too: gathers copy them up first.
+    places = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
     return {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": accumulation,
@@ -66,7 +68,7 @@ def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
                               "reduce_bucket_size": 100_000, "zero_hpz_partition_size": hpz,
-                              "zero_quantized_weights": qwz},
+                              "zero_quantized_weights": qwz, **places},
         "comms_logger": {"enabled": True, "debug": True},
         "steps_per_print": 10_000,
     }
@@ -203,6 +205,7 @@ def _four_ranks(save_dir: str) -> dict:
                                     save=f"{save_dir}/{name}" if name == "hpz" else None)
         out[f"{name}_qwz"] = _train(_config(hpz, qwz=True))
         out[f"{name}_frozen"] = _train(_config(hpz), frozen_middle=True)
+        out[f"{name}_offload"] = _train(_config(hpz, offload=True))
     out["resumed"] = _train(_config(2, accumulation=2), recompute=True, steps=range(2, STEPS), load=f"{save_dir}/hpz")
     out["bad"] = _refused(_config(3))
     logging.getLogger("partita").removeHandler(warnings)
@@ -234,7 +237,7 @@ def eight(four, save_dir) -> list[dict]:  # after ``four``: it resumes that laun
     return run_distributed(_eight_ranks, 8, save_dir)
 
 
-CASES = ("", "_recompute", "_ga2", "_qwz", "_frozen")
+CASES = ("", "_recompute", "_ga2", "_qwz", "_frozen", "_offload")
 
 
 def test_losses_are_bit_identical_to_plain_zero3(four) -> None:
@@ -255,7 +258,7 @@ def test_backward_gathers_stay_inside_the_group(four) -> None:
             assert hpz["world_fwd"] == plain["world_fwd"] > 0, case  # the forward's world gathers unchanged
             assert hpz["group_fwd"] == 0 and hpz["group_bwd"] > 0 and hpz["group_sizes"] == [2], case
         # Unquantized, the group gathers are the very gathers plain ZeRO-3 ran over the world in backward.
-        for case in ("", "_recompute", "_ga2", "_frozen"):
+        for case in ("", "_recompute", "_ga2", "_frozen", "_offload"):
             assert rank[f"hpz{case}"]["group_bwd"] == rank[f"plain{case}"]["world_bwd"], case
         # The frozen middle block (sharded by zero.Init, no optimizer group) is re-gathered from its copies too.
         assert rank["hpz_frozen"]["group_bwd"] == rank["hpz"]["group_bwd"]
