@@ -4,6 +4,8 @@ the comms logger), and the wire bytes, scales and rebuilt weights bit-identical 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -85,6 +87,7 @@ def _on_rank() -> dict:
     out["fp32_scales"] = precomputed_fp8_scales(weights)
     forget_fp8_scales(weights)
     out["after_forget"] = precomputed_fp8_scales(weights)
+    out["refresh"] = _refresh_cases(weights, shards, masters)
     try:
         start_fp8_all_gather(shards[0], [(0, shards[0].numel())], size=2, group=None, purpose="test",
                              scales=torch.ones(2))
@@ -93,6 +96,52 @@ def _on_rank() -> dict:
     out["expected"] = [_expected(w) for w in weights]
     out["weights"] = [w.detach().clone() for w in weights]
     dist.destroy_process_group()
+    return out
+
+
+def _refresh_cases(weights, shards, masters) -> dict:
+    """refresh_fp8_scales, the gatherer's hook: only marked weights, from the shard views it is handed;
+    forgotten when the shards are off the device or in several dtypes."""
+    from partita.monitor.comms_logger import COMMS_LOGGER
+    from partita.zero.fp8_gather import (
+        _MARK, forget_fp8_scales, precomputed_fp8_scales, refresh_fp8_scales, refresh_gatherer_fp8_scales,
+    )
+
+    plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))  # not marked: never gets a scale
+    for w in weights:
+        setattr(w, _MARK, True)
+    index = {id(w): i for i, w in enumerate(weights)}
+    out = {}
+    COMMS_LOGGER.reset()
+    COMMS_LOGGER.enabled = True
+    refresh_fp8_scales([plain, *weights], lambda p: (masters[index[id(p)]], torch.bfloat16), group=None)
+    out["scales"] = precomputed_fp8_scales(weights)
+    out["plain"] = precomputed_fp8_scales([plain])
+    out["all_reduces"] = [r.purpose for r in COMMS_LOGGER.records() if r.op == "all_reduce"]
+    refresh_fp8_scales(weights, None, group=None)  # offloaded shards
+    out["offloaded"] = precomputed_fp8_scales(weights)
+    refresh_fp8_scales(weights, lambda p: (shards[index[id(p)]], torch.bfloat16), group=None)
+    refresh_fp8_scales(weights, lambda p: (shards[index[id(p)]], torch.bfloat16 if p is weights[0] else torch.float16),
+                       group=None)
+    out["mixed"] = precomputed_fp8_scales(weights)
+    # The gatherer's layout: a bf16 group whose device shard is the fp32 master (the gather casts it), and
+    # a group gathered over another process group (experts): only the first group's weights get scales.
+    forget_fp8_scales(weights)
+    spec = [SimpleNamespace(partition_offset=0, shard_numel=m.numel()) for m in masters]
+    other = SimpleNamespace(comm=SimpleNamespace(process_group=object()), model_dtype=torch.bfloat16)
+    layout = {"where": {w: (i if i < 2 else 2, spec[i]) for i, w in enumerate(weights)},
+              "groups": [SimpleNamespace(comm=SimpleNamespace(process_group=None), model_dtype=torch.bfloat16)] * 2 + [other],
+              "storage": SimpleNamespace(location="accelerator", shards=masters)}
+    refresh_gatherer_fp8_scales(**layout, group=None, world_size=2)
+    out["gatherer"] = [precomputed_fp8_scales([w]) for w in weights]
+    forget_fp8_scales(weights)
+    refresh_gatherer_fp8_scales(**layout, group=None, world_size=1)
+    out["one_rank"] = precomputed_fp8_scales(weights[:2])
+    COMMS_LOGGER.enabled = False
+    out["calls"] = len([r for r in COMMS_LOGGER.records() if r.op == "all_reduce"])
+    for w in weights:
+        delattr(w, _MARK)
+    forget_fp8_scales(weights)
     return out
 
 
@@ -154,3 +203,19 @@ def test_forget_and_bad_scales(ranks) -> None:
         assert rank["bad_scales"] == (
             "start_fp8_all_gather got (2,) scales for 1 weights; pass one precomputed scale per span "
             "(precomputed_fp8_scales of the gathered weights, in span order), or None")
+
+
+def test_refresh_hook(ranks) -> None:
+    for rank in ranks:
+        refresh = rank["refresh"]
+        # Marked weights only, one all-reduce, the per-gather path's scales (from the masters, rounded to bf16).
+        assert refresh["all_reduces"] == ["fp8 amax precompute (every FP8-gathered weight)"]
+        assert torch.equal(refresh["scales"], torch.cat(rank["per_gather"]["scales"][:2]))
+        assert refresh["plain"] is None
+        assert refresh["offloaded"] is None  # shards off the device: forgotten, no collective
+        assert refresh["mixed"] is None  # several dtypes: forgotten, no collective
+        assert refresh["calls"] == 3  # the first refresh, the bf16 one before the mixed case, the gatherer's
+        per_weight = torch.cat(rank["per_gather"]["scales"][:2])
+        assert [s is not None and torch.equal(s, per_weight[i : i + 1]) for i, s in enumerate(refresh["gatherer"][:2])] == [True, True]
+        assert refresh["gatherer"][2] is None  # gathered over another process group
+        assert refresh["one_rank"] is None  # one rank: nothing gathered, nothing precomputed

@@ -47,7 +47,7 @@ all-reduce per gather again). A stale scale would saturate a weight that grew.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +59,8 @@ from partita.distributed import collectives
 
 __all__ = [
     "FP8_DTYPE", "mark_fp8_all_gather", "is_fp8_gathered", "start_fp8_all_gather", "Fp8Gather",
-    "precompute_fp8_scales", "precomputed_fp8_scales", "forget_fp8_scales",
+    "precompute_fp8_scales", "precomputed_fp8_scales", "forget_fp8_scales", "refresh_fp8_scales",
+    "refresh_gatherer_fp8_scales",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn  # torchao's forward dtype for weights (e5m2 is for gradients)
@@ -156,6 +157,51 @@ def precompute_fp8_scales(
     collectives.all_reduce(amax, group=group, purpose=PRECOMPUTE_PURPOSE, op=dist.ReduceOp.MAX)
     for (param, _), scale in zip(shards, amax_to_scale(amax, FP8_DTYPE)):
         setattr(param, _SCALE, scale)
+
+
+def refresh_fp8_scales(
+    params: Iterable[nn.Parameter],
+    shard_of: Callable[[nn.Parameter], tuple[torch.Tensor, torch.dtype]] | None,
+    *, group: dist.ProcessGroup | None,
+) -> None:
+    """The ZeRO-3 gatherer's call once its shards changed (``refresh_shards``: the step's write-back,
+    a checkpoint load, ``GatheredParameters`` with a modifier): precompute the scales of the
+    FP8-gathered weights among ``params`` (the trainable parameters gathered over ``group``, the
+    same order on every rank), or forget them where a precompute cannot see the shards.
+
+    ``shard_of(param)``: (this rank's shard, as a view of the storage, and the dtype gathers send);
+    None when the shards are not on the device (``offload_param``): those gathers all-reduce per gather."""
+    marked = [param for param in params if is_fp8_gathered(param)]
+    if not marked:
+        return
+    if shard_of is None:
+        forget_fp8_scales(marked)
+        return
+    shards = [(param, *shard_of(param)) for param in marked]
+    dtypes = {dtype for _, _, dtype in shards}
+    if len(dtypes) > 1:  # one vector, one rounding: weights gathered in several dtypes keep the per-gather path
+        forget_fp8_scales(marked)
+        return
+    precompute_fp8_scales([(param, shard) for param, shard, _ in shards], group=group, dtype=dtypes.pop())
+
+
+def refresh_gatherer_fp8_scales(where: dict, groups: Sequence, storage, *, group: dist.ProcessGroup | None,
+                                world_size: int) -> None:
+    """:func:`refresh_fp8_scales` for the ZeRO-3 gatherer's own layout, its call in ``refresh_shards``:
+    ``where`` maps each trainable sharded parameter to (group index, ShardSpec); ``groups`` are the
+    ShardedParamGroups (their ``comm`` and ``model_dtype``); ``storage`` the shard storage. Only the
+    weights gathered over ``group`` (the gatherer's ZeRO group) are precomputed; expert weights
+    gathered within their expert-data group keep the per-gather all-reduce."""
+    if world_size == 1:
+        return  # one rank gathers nothing
+
+    def shard_of(param: nn.Parameter) -> tuple[torch.Tensor, torch.dtype]:
+        g, spec = where[param]  # a view; a group on the device may keep its fp32 master as the shard
+        lo = spec.partition_offset
+        return storage.shards[g][lo : lo + spec.shard_numel], groups[g].model_dtype
+
+    params = [param for param, (g, _) in where.items() if groups[g].comm.process_group is group]
+    refresh_fp8_scales(params, shard_of if storage.location == "accelerator" else None, group=group)
 
 
 def precomputed_fp8_scales(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
