@@ -196,3 +196,104 @@ def test_onebit_lamb_stage0():
     assert losses <= 1.05 * lamb, (losses, lamb)
     for name, value in result["final"].items():
         assert torch.equal(value, results[1]["final"][name]), name
+
+
+# ---------------------------------------------------------------------------- checkpoints and refusals
+
+# 0/1 Adam saved after update 13 (a local step: the ranks' weights differ, two local updates since the
+# synchronisation at 11) and run on to 17 (through the synchronisation at 15); 1-bit LAMB saved three
+# updates into its compressed phase.
+CKPT = {"ZeroOneAdam": (13, 17), "OneBitLamb": (LAMB_FREEZE + 2, LAMB_FREEZE + 5)}
+
+
+def _save_continue_and_resume(root: str) -> dict:
+    out = {}
+    for kind, (at, end) in CKPT.items():
+        engine = _engine(kind)
+        _train(engine, range(at))
+        errors = [e.clone() for e in engine.optimizer.inner.worker_errors]
+        assert all(e is not None and e.abs().sum() > 0 for e in errors)  # the error feedback is live
+        engine.save_checkpoint(f"{root}/{kind}")
+        straight = _train(engine, range(at, end))[1]
+        resumed = _engine(kind)
+        resumed.load_checkpoint(f"{root}/{kind}")
+        loaded = [e.clone() for e in resumed.optimizer.inner.worker_errors]
+        out[kind] = {"same": all(torch.equal(a[n], b[n]) for a, b in zip(straight, _train(resumed, range(at, end))[1])
+                                 for n in a),
+                     "same_errors": all(torch.equal(a, b) for a, b in zip(errors, loaded))}
+    return out
+
+
+def _load_on_fewer_ranks(root: str) -> dict:
+    from partita.checkpoint.reshard import ShardReader
+    from partita.config.base import ConfigError
+
+    out = {}
+    for kind, (at, end) in CKPT.items():
+        engine = _engine(kind)
+        engine.load_checkpoint(f"{root}/{kind}")
+        weights = _weights(engine)
+        if kind == "ZeroOneAdam":  # between synchronisations: every rank starts from the saved ranks' mean
+            with ShardReader(f"{root}/{kind}/global_step{at}") as reader:
+                key = "zeroone/master/fc1.weight"
+                mean = sum(reader.tensor(f"rank{s:05d}.safetensors", key) for s in range(4)) / 4
+            out["mean_weights"] = torch.allclose(weights["fc1.weight"].reshape(-1), mean, rtol=0, atol=1e-7)
+        losses = _train(engine, range(at, end))[0]
+        out[kind] = all(torch.isfinite(torch.tensor(losses)))
+        for stage in (1, 3):
+            try:
+                _engine(kind, stage)
+                out[(kind, stage)] = "not refused"
+            except ConfigError as error:
+                out[(kind, stage)] = str(error)
+    return out
+
+
+def test_checkpoints_resume_exactly_and_reshard(tmp_path):
+    root = str(tmp_path / "ckpt")
+    for rank_result in run_distributed(_save_continue_and_resume, 4, root):
+        for kind, result in rank_result.items():
+            assert result["same"] and result["same_errors"], kind
+    reasons = {"ZeroOneAdam": "its local steps move every rank's whole model on its own, and at stages 1-2 a rank "
+                              "holds only its partition of the fp32 master weights",
+               "OneBitLamb": "its trust ratios are per whole parameter, and at stages 1-2 a rank holds only its "
+                             "partition of the fp32 master weights"}
+    for result in run_distributed(_load_on_fewer_ranks, 2, root):
+        assert result["mean_weights"] and result["ZeroOneAdam"] and result["OneBitLamb"]
+        for kind, why in reasons.items():
+            for stage in (1, 3):
+                assert result[(kind, stage)] == (
+                    f"optimizer type '{kind}' runs with zero_optimization.stage 0 over two or more data-parallel "
+                    f"ranks, as in DeepSpeed ({why}); set zero_optimization.stage to 0, or use type \"OneBitAdam\" "
+                    "(1-bit Adam at stages 0-2)"), (kind, stage)
+
+
+def test_params_validated():
+    from partita.config import load_config
+    from partita.config.base import ConfigError
+
+    def problem(kind: str, params: dict) -> str:
+        with pytest.raises(ConfigError) as info:
+            load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": params}})
+        return str(info.value)
+
+    assert "did you mean 'var_freeze_step'?" in problem("ZeroOneAdam", {"freeze_step": 10})
+    assert "out of range; allowed: an integer >= 1" in problem("ZeroOneAdam", {"local_step_clipper": 0})
+    assert "amsgrad=true is not supported by ZeroOneAdam" in problem("zerooneadam", {"amsgrad": True})
+    assert "comm_backend_name 'mpi': partita compresses through torch.distributed" in problem(
+        "OneBitLamb", {"comm_backend_name": "mpi"})
+    assert "freeze_step = 1: out of range; allowed: an integer >= 2" in problem("OneBitLamb", {"freeze_step": 1})
+    assert ("min_coeff (3.0) is greater than max_coeff (1.0): LAMB clamps into [min_coeff, max_coeff]; set "
+            "min_coeff <= max_coeff") in problem("OneBitLamb", {"min_coeff": 3, "max_coeff": 1})
+    assert "factor_threshold = 1: out of range" in problem("OneBitLamb", {"factor_threshold": 1})
+    assert "max_grad_norm is not an optimizer parameter" in problem("ZeroOneAdam", {"max_grad_norm": 1.0})
+    # DeepSpeed's documented example configs load as they are.
+    zero_one = {"lr": 1e-3, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000,
+                "var_update_scaler": 16, "local_step_scaler": 1000, "local_step_clipper": 16, "cuda_aware": False,
+                "comm_backend_name": "nccl"}
+    lamb = {"lr": 11e-3, "max_coeff": 0.3, "min_coeff": 0.01, "freeze_step": 1000, "cuda_aware": False,
+            "comm_backend_name": "nccl", "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
+            "factor_threshold": 0.1, "weight_decay": 0.01, "bias_correction": False}
+    for kind, params in (("ZeroOneAdam", zero_one), ("OneBitLamb", lamb)):
+        cfg = load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": params}})
+        assert cfg.optimizer.type == kind and cfg.optimizer.params.model_dump(exclude_unset=True) == params
