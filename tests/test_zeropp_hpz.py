@@ -57,7 +57,7 @@ class _Net(nn.Module):
         return F.cross_entropy(self.head(x).float(), y)
 
 
-def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False, offload: bool = False) -> dict:
+def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False, offload: bool = False, reuse: int = 10**9) -> dict:
     # offload: the shards in host memory (offload_param) and the optimizer there too: gathers copy them up first.
     places = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
     return {
@@ -68,7 +68,7 @@ def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False, offload: bool
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
                               "reduce_bucket_size": 100_000, "zero_hpz_partition_size": hpz,
-                              "zero_quantized_weights": qwz, **places},
+                              "zero_quantized_weights": qwz, "stage3_max_reuse_distance": reuse, **places},
         "comms_logger": {"enabled": True, "debug": True},
         "steps_per_print": 10_000,
     }
@@ -76,7 +76,8 @@ def _config(hpz: int, *, accumulation: int = 1, qwz: bool = False, offload: bool
 
 class _Issued:
     """Every parameter all-gather as it is issued: (purpose, group size, bytes, in backward), and
-    which of them a unit's forward pre-hook issued inside backward (a recompute's gather)."""
+    which of them, inside backward, a unit's forward pre-hook issued (a recompute's gather) or a
+    prefetch did."""
 
     def __init__(self, monkeypatch) -> None:
         from partita.distributed import collectives
@@ -84,6 +85,7 @@ class _Issued:
 
         self.calls: list[tuple[str, int, int, bool]] = []
         self.recomputed: list[str] = []
+        self.prefetched: list[str] = []
         real = collectives.all_gather_into_tensor
 
         def recording(output, input, *, group, purpose, async_op=False):
@@ -92,11 +94,14 @@ class _Issued:
             if "parameter all-gather" in purpose:
                 size = dist.get_world_size(group)
                 self.calls.append((purpose, size, output.numel() * output.element_size(), in_backward_pass()))
-                frame = sys._getframe(1)
-                while frame is not None and frame.f_code.co_name != "_pre_forward":
+                callers, frame = set(), sys._getframe(1)
+                while frame is not None:
+                    callers.add(frame.f_code.co_name)
                     frame = frame.f_back
-                if frame is not None and in_backward_pass():
+                if in_backward_pass() and "_pre_forward" in callers:
                     self.recomputed.append(purpose)
+                if in_backward_pass() and "_prefetch" in callers:
+                    self.prefetched.append(purpose)
             return real(output, input, group=group, purpose=purpose, async_op=async_op)
 
         monkeypatch(collectives, "all_gather_into_tensor", recording)
@@ -129,6 +134,7 @@ def _train(cfg: dict, *, recompute: bool = False, steps: range = range(STEPS), s
         COMMS_LOGGER.reset()
         issued.calls.clear()
         issued.recomputed.clear()
+        issued.prefetched.clear()
         g = torch.Generator().manual_seed(3)
         xs = torch.randn(1, GLOBAL_BATCH, WIDTH, generator=g).expand(STEPS, -1, -1)  # one batch each step:
         ys = torch.randint(0, CLASSES, (1, GLOBAL_BATCH), generator=g).expand(STEPS, -1)  # the loss falls
@@ -158,7 +164,7 @@ def _train(cfg: dict, *, recompute: bool = False, steps: range = range(STEPS), s
                "world_bwd": issued.bytes(WORLD_GATHERS, backward=True),
                "group_fwd": issued.bytes((HPZ,), backward=False), "group_bwd": issued.bytes((HPZ,), backward=True),
                "group_sizes": sorted({size for purpose, size, _, _ in issued.calls if purpose == HPZ}),
-               "recomputed": list(issued.recomputed)}
+               "recomputed": list(issued.recomputed), "prefetched": list(issued.prefetched)}
         # A gather asked for outside a unit (GatheredParameters, exports) is the exact world gather.
         from partita.zero.gathered import iter_fp32_master
 
@@ -205,7 +211,8 @@ def _four_ranks(save_dir: str) -> dict:
                                     save=f"{save_dir}/{name}" if name == "hpz" else None)
         out[f"{name}_qwz"] = _train(_config(hpz, qwz=True))
         out[f"{name}_frozen"] = _train(_config(hpz), frozen_middle=True)
-        out[f"{name}_offload"] = _train(_config(hpz, offload=True))
+        # Shards in host memory, and every unit freed at the end of its forward (so backward prefetches).
+        out[f"{name}_offload"] = _train(_config(hpz, offload=True, reuse=0))
     out["resumed"] = _train(_config(2, accumulation=2), recompute=True, steps=range(2, STEPS), load=f"{save_dir}/hpz")
     out["bad"] = _refused(_config(3))
     logging.getLogger("partita").removeHandler(warnings)
@@ -269,6 +276,10 @@ def test_backward_gathers_stay_inside_the_group(four) -> None:
             assert rank[f"plain{case}"]["recomputed"] and set(rank[f"plain{case}"]["recomputed"]) == set(WORLD_GATHERS[:1])
             assert rank[f"hpz{case}"]["recomputed"] and set(rank[f"hpz{case}"]["recomputed"]) == {HPZ}
         assert not rank["hpz"]["recomputed"]
+        # Backward prefetches (from the first step's recorded unit order; with every unit freed at the
+        # end of its forward, each block's backward prefetches the next) come from the group as well.
+        plain, hpz = rank["plain_offload"]["prefetched"], rank["hpz_offload"]["prefetched"]
+        assert len(plain) == len(hpz) > 0 and set(plain) == set(WORLD_GATHERS[:1]) and set(hpz) == {HPZ}
 
 
 def test_comms_logger_counts_the_group_gathers_in_their_own_row(four) -> None:
