@@ -38,8 +38,8 @@ before. A unit's backward always ends with its gradient hooks (frozen parameters
 inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer step, with new values.
 
 [Note: rank divergence]: partita/zero/unit_sync.py. [Note: holds] (whole until a hold ends): holds.py.
-Units' gathers travel exact, as int8 blocks (ZeRO++ qwZ, zero_quantized_weights) or, for Float8Linear
-weights with fp8.all_gather, as FP8: partita/zero/gather_wire.py picks the wire and issues the collective.
+Units' gathers travel exact, as int8 (ZeRO++ qwZ) or FP8 (Float8Linear weights, fp8.all_gather): gather_wire.py.
+With ZeRO++ hpZ a unit's backward re-gather stays inside a group of ranks: [Note: the secondary partition], hpz.py.
 
 [Note: where shards live]
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
