@@ -127,7 +127,9 @@ def _runs(kind: str, baseline_kind: str, baseline_extra: dict, count_at: tuple[i
     baseline = _train(_engine(baseline_kind, **baseline_extra), range(STEPS))
     engine = _engine(kind)
     losses, snapshots, records = _train(engine, range(STEPS), count_at=count_at)
-    chunks = [rows.chunk for rows in engine.optimizer.inner.rows]
+    # Per group: its rows' length and how many scales each row carries (0/1 Adam: one per parameter).
+    chunks = [(rows.chunk, len(rows.group.params) if engine.optimizer.inner.per_parameter_scales else 1)
+              for rows in engine.optimizer.inner.rows]
     return {"baseline": baseline[0], "losses": losses, "start": snapshots[:FULL_START + 1], "records": records,
             "chunks": chunks, "final": snapshots[-1]}
 
@@ -145,16 +147,15 @@ def _assert_start_matches(start, reference, updates: int) -> None:
                                        msg=lambda text: f"update {n}: {name}: {text}")
 
 
-def _assert_compressed_bytes(records, purpose: str, chunks: list[int], world: int) -> None:
-    """The exchange moves world rows of ceil(chunk / 8) + 4 bytes twice per group: on the links (nccl-tests
-    bus bytes) 1/16 of an fp16 all-reduce of the same elements, plus the scales."""
-    from partita.optim.onebit_comm import packed_row_bytes
-
+def _assert_compressed_bytes(records, purpose: str, chunks: list[tuple[int, int]], world: int) -> None:
+    """The exchange moves world rows of ceil(chunk / 8) sign bytes and 4 bytes per scale twice per group: on the
+    links (nccl-tests bus bytes) 1/16 of an fp16 all-reduce of the same elements, plus the scales."""
     sent = sum(b for _, p, b in records if p.startswith(f"{purpose}: compressed"))
-    assert sent == sum(2 * world * packed_row_bytes(c) for c in chunks), records
+    assert sent == sum(2 * world * ((c + 7) // 8 + 4 * scales) for c, scales in chunks), records
     link = (world - 1) / world
-    fp16_all_reduce_bus = sum(2 * link * 2 * world * c for c in chunks)
-    assert link * sent <= fp16_all_reduce_bus / 16 + link * sum(2 * world * (4 + 1) for _ in chunks)
+    fp16_all_reduce_bus = sum(2 * link * 2 * world * c for c, _ in chunks)
+    scales_and_rounding_bus = link * sum(2 * world * (4 * scales + 1) for _, scales in chunks)
+    assert link * sent <= fp16_all_reduce_bus / 16 + scales_and_rounding_bus
     others = [r for r in records if not r[1].startswith(purpose)]
     assert others == [], others  # no gradient all-reduce: only the exchange and its local-norm all-reduce
 

@@ -16,7 +16,8 @@ cupy):
 Message bytes per rank and step (nccl-tests sizes): ``2 * world * (ceil(chunk / 8) + 4)``, against
 ``2 * world * chunk`` for an fp16 all-reduce of the same elements. On the links (bus bytes: an
 all-reduce moves 2(n-1)/n of its message, an all-to-all and an all-gather (n-1)/n each) that is 1/16
-of the fp16 all-reduce plus the scales, and 1/8 of ZeRO-1/2's fp16 reduce-scatter.
+of the fp16 all-reduce plus the scales, and 1/8 of ZeRO-1/2's fp16 reduce-scatter. With per-segment
+scales (0/1 Adam: one per parameter) each row carries ``4 * segments`` scale bytes instead of 4.
 """
 
 from __future__ import annotations
@@ -57,23 +58,34 @@ def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float3
     return signs.mul_(2).sub_(1)
 
 
-def _compress(x: torch.Tensor, mask: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _compress(x: torch.Tensor, mask: torch.Tensor, real: torch.Tensor,
+              segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` as (packed message rows with their scale bytes, decompressed values).
 
     Padding elements (``mask`` false) are left out of the scale and decode to zero, so ZeRO's
-    shard padding never carries momentum.
+    shard padding never carries momentum. With ``segments`` ((rows, n) segment ids, e.g. each
+    element's parameter) every row has one scale per segment instead of one (``real``: the real
+    elements per row and segment, (rows, S)), sent in segment order behind the signs.
     """
-    scales = torch.linalg.vector_norm(x * mask, dim=1) / real.clamp(min=1).sqrt()
+    if segments is None:
+        scales = torch.linalg.vector_norm(x * mask, dim=1, keepdim=True) / real.clamp(min=1).sqrt().unsqueeze(1)
+        per_element = scales
+    else:
+        squares = torch.zeros_like(real).scatter_add_(1, segments, (x * mask).square())
+        scales = (squares / real.clamp(min=1)).sqrt()
+        per_element = scales.gather(1, segments)
     signs = pack_signs(x)
-    decoded = unpack_signs(signs, x.shape[1]).mul_(scales.unsqueeze(1)).mul_(mask)
-    message = torch.cat([signs, scales.to(torch.float32).unsqueeze(1).view(torch.uint8)], dim=1)
+    decoded = unpack_signs(signs, x.shape[1]).mul_(per_element).mul_(mask)
+    message = torch.cat([signs, scales.to(torch.float32).contiguous().view(torch.uint8)], dim=1)
     return message, decoded
 
 
-def _decode(message: torch.Tensor, n: int, mask: torch.Tensor) -> torch.Tensor:
-    signs, scale_bytes = message[:, :-_SCALE_BYTES], message[:, -_SCALE_BYTES:].contiguous()
-    scales = scale_bytes.view(torch.float32)  # (rows, 1)
-    return unpack_signs(signs, n).mul_(scales).mul_(mask)
+def _decode(message: torch.Tensor, n: int, mask: torch.Tensor, segments: torch.Tensor | None = None,
+            count: int = 1) -> torch.Tensor:
+    signs = message[:, : -_SCALE_BYTES * count]
+    scales = message[:, -_SCALE_BYTES * count :].contiguous().view(torch.float32)  # (rows, count)
+    per_element = scales if segments is None else scales.gather(1, segments)
+    return unpack_signs(signs, n).mul_(per_element).mul_(mask)
 
 
 def _all_to_all(message: torch.Tensor, group: dist.ProcessGroup | None, purpose: str) -> torch.Tensor:
@@ -92,22 +104,33 @@ def compressed_exchange(
     rank: int,
     group: dist.ProcessGroup | None,
     purpose: str,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The error-compensated average over ranks of ``value`` (``(world, chunk)`` fp32, this rank's
     estimate), identical on every rank; updates ``worker_error`` (same shape) and ``server_error``
-    (``(chunk,)``, this rank's row) in place. ``mask``: ``(world, chunk)``, true on real elements."""
+    (``(chunk,)``, this rank's row) in place. ``mask``: ``(world, chunk)``, true on real elements.
+    ``segments``: ``(world, chunk)`` int64 segment ids (0 .. S-1, S the largest id + 1): one scale per
+    row and segment (0/1 Adam: per parameter, as DeepSpeed compresses each parameter on its own)."""
     world, chunk = value.shape
-    real = mask.sum(dim=1, dtype=torch.float32)
+    if segments is None:
+        real = mask.sum(dim=1, dtype=torch.float32)
+    else:
+        count = int(segments.max()) + 1
+        real = torch.zeros((world, count), dtype=torch.float32, device=value.device)
+        real.scatter_add_(1, segments, mask.to(torch.float32))
     x = value + worker_error
-    message, decoded = _compress(x, mask, real)
+    message, decoded = _compress(x, mask, real, segments)
     worker_error.copy_(x - decoded)
     received = _all_to_all(message, group, f"{purpose}: compressed all-to-all")
     my_mask = mask[rank : rank + 1]
-    averaged = _decode(received, chunk, my_mask.expand(world, chunk)).mean(dim=0, keepdim=True)
+    my_segments = None if segments is None else segments[rank : rank + 1].expand(world, chunk)
+    count = 1 if segments is None else real.shape[1]
+    averaged = _decode(received, chunk, my_mask.expand(world, chunk), my_segments, count).mean(dim=0, keepdim=True)
     averaged += server_error.unsqueeze(0)
-    server_message, server_decoded = _compress(averaged, my_mask, real[rank : rank + 1])
+    my_segments = None if segments is None else segments[rank : rank + 1]
+    server_message, server_decoded = _compress(averaged, my_mask, real[rank : rank + 1], my_segments)
     server_error.copy_((averaged - server_decoded).squeeze(0))
     gathered = torch.empty((world, server_message.shape[1]), dtype=torch.uint8, device=value.device)
     collectives.all_gather_into_tensor(gathered.view(-1), server_message.view(-1), group=group,
                                        purpose=f"{purpose}: compressed all-gather")
-    return _decode(gathered, chunk, mask)
+    return _decode(gathered, chunk, mask, segments, count)

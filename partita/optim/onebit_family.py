@@ -43,6 +43,7 @@ class OneBitFamily(torch.optim.Optimizer):
 
     kind = ""  # the config type, for messages
     purpose = ""  # the comms logger's purpose of the compressed exchange
+    per_parameter_scales = False  # one 1-bit scale per parameter and row, not per row (onebit_comm.py)
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -161,7 +162,8 @@ class OneBitFamily(torch.optim.Optimizer):
         if self.worker_errors[g] is None:
             self.worker_errors[g] = torch.zeros_like(value)
         return compressed_exchange(value, self.worker_errors[g], self.server_error(g), mask, rank=rows.rank,
-                                   group=self._sharded.process_group, purpose=self.purpose)
+                                   group=self._sharded.process_group, purpose=self.purpose,
+                                   segments=rows.segments if self.per_parameter_scales else None)
 
     @torch.no_grad()
     def compressed_step(self, *, loss_scale: float, clip: float) -> tuple[bool, float]:

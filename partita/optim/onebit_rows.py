@@ -28,11 +28,21 @@ class RowLayout:
         for spec in group.layout.specs:
             self.drop(self.mask, spec, value=True)
 
+    @property
+    def segments(self) -> torch.Tensor:
+        """``(world, chunk)`` int64: each element's parameter index in the group (padding: 0, masked
+        anyway), for one compression scale per parameter and row."""
+        if getattr(self, "_segments", None) is None:
+            self._segments = torch.zeros((self.world, self.chunk), dtype=torch.int64, device=self.mask.device)
+            for j, spec in enumerate(self.group.layout.specs):
+                self.drop(self._segments, spec, value=j)
+        return self._segments
+
     def empty(self) -> torch.Tensor:
         return torch.zeros((self.world, self.chunk), dtype=torch.float32, device=self.group.master.device)
 
-    def drop(self, mask: torch.Tensor, spec: ShardSpec, *, value: bool = False) -> None:
-        """Set ``mask`` to ``value`` over the real elements of parameter ``spec``."""
+    def drop(self, mask: torch.Tensor, spec: ShardSpec, *, value: bool | int = False) -> None:
+        """Set ``mask`` (or any ``(world, chunk)`` tensor) to ``value`` over the real elements of parameter ``spec``."""
         if self.sharded:
             for rank in range(self.world):
                 start, end = spec.owned_range(rank)

@@ -56,6 +56,9 @@ def _local_key(what: str, name: str) -> str:
 class ZeroOneAdam(OneBitFamily):
     kind = "ZeroOneAdam"
     purpose = "0/1 Adam compressed exchange"
+    # DeepSpeed's 0/1 Adam compresses each parameter on its own (one scale per parameter and rank chunk);
+    # one scale over a whole group's row mixes parameters of very different sizes of gradient.
+    per_parameter_scales = True
     stage_reason = ("its local steps move every rank's whole model on its own, and at stages 1-2 a rank holds "
                     "only its partition of the fp32 master weights")
 
