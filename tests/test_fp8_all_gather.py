@@ -243,3 +243,36 @@ def test_config_key_and_refusals() -> None:
         mark_fp8_all_gather(rowwise, zero_stage=3)
     with pytest.raises(ConfigError, match="no linear runs in FP8"):
         mark_fp8_all_gather(_Net(), zero_stage=3)
+
+
+class _Tied(nn.Module):
+    """GPT's layout: the output head's weight is the token embedding's (one Parameter, two modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CLASSES * 4, WIDTH)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, CLASSES * 4, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_a_weight_tied_to_another_module_is_gathered_exactly(caplog) -> None:
+    # The embedding reads the tied weight too: an FP8 wire would round its lookups (3 mantissa bits), so the
+    # head's weight is left unmarked while the blocks' weights go as FP8.
+    from partita.zero.fp8_gather import is_fp8_gathered, mark_fp8_all_gather
+
+    model = _Tied()
+    config = float8.Float8LinearConfig.from_recipe_name("tensorwise")
+    float8.convert_to_float8_training(model, config=type(config)(**{**config.__dict__, "emulate": True}))
+    assert isinstance(model.head, float8.float8_linear.Float8Linear) and model.head.weight is model.emb.weight
+    with caplog.at_level("INFO", logger="partita"):
+        marked = mark_fp8_all_gather(model, zero_stage=3)
+    assert marked == [f"blocks.{i}.{n}.weight" for i in range(2) for n in ("up", "down")]
+    assert not is_fp8_gathered(model.emb.weight) and is_fp8_gathered(model.blocks[0].up.weight)
+    assert "gathered exactly, as other modules read them too: head.weight (tied to emb)" in caplog.text
+    alone = _Tied()
+    float8.convert_to_float8_training(alone, config=type(config)(**{**config.__dict__, "emulate": True}),
+                                      module_filter_fn=lambda _m, fqn: fqn == "head")
+    with pytest.raises(ConfigError, match=r"no linear runs in FP8 with a weight of its own \(every FP8 linear's "
+                                          r"weight is tied to another module\)"):
+        mark_fp8_all_gather(alone, zero_stage=3)

@@ -48,6 +48,7 @@ all-reduce per gather again). A stale scale would saturate a weight that grew.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,8 @@ __all__ = [
     "precompute_fp8_scales", "precomputed_fp8_scales", "forget_fp8_scales", "refresh_fp8_scales",
     "refresh_gatherer_fp8_scales",
 ]
+
+logger = logging.getLogger("partita")
 
 FP8_DTYPE = torch.float8_e4m3fn  # torchao's forward dtype for weights (e5m2 is for gradients)
 # Set on a Float8Linear's weight Parameter: its unit gathers go as FP8. On the Parameter, not in a
@@ -84,9 +87,20 @@ def mark_fp8_all_gather(model: nn.Module, *, zero_stage: int) -> list[str]:
             f"fp8.all_gather needs zero_optimization.stage 3 (it is {zero_stage}): only ZeRO-3 all-gathers the "
             "weights before each unit; set the stage to 3, or remove fp8.all_gather"
         )
-    marked = []
+    # Every module that holds each Parameter itself: a weight tied to a module that is not a Float8Linear
+    # (GPT's output head and its token embedding) must reach that module exactly, so it is not marked.
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append((name, module))
+    marked, tied = [], []
     for name, module in model.named_modules():
         if not isinstance(module, Float8Linear):
+            continue
+        others = [n for n, m in holders.get(id(module.weight), []) if not isinstance(m, Float8Linear)]
+        if others:
+            tied.append(f"{name}.weight (tied to {', '.join(others)})")
             continue
         weight_cast = module.config.cast_config_weight
         if weight_cast.scaling_granularity is not ScalingGranularity.TENSORWISE or (
@@ -99,10 +113,13 @@ def mark_fp8_all_gather(model: nn.Module, *, zero_stage: int) -> list[str]:
             )
         setattr(module.weight, _MARK, True)
         marked.append(f"{name}.weight")
+    if tied:
+        logger.info("fp8.all_gather: gathered exactly, as other modules read them too: %s", "; ".join(tied))
     if not marked:
+        reason = "every FP8 linear's weight is tied to another module" if tied else "fp8.filter chose none"
         raise ConfigError(
-            "fp8.all_gather is set but no linear runs in FP8 (fp8.filter chose none), so no gather would change; "
-            "widen fp8.filter, or remove fp8.all_gather"
+            f"fp8.all_gather is set but no linear runs in FP8 with a weight of its own ({reason}), so no gather "
+            "would change; widen fp8.filter, or remove fp8.all_gather"
         )
     return marked
 
