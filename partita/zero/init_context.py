@@ -44,6 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.distributed import collectives
 from partita.utils.host_memory import release_free_host_memory
+from partita.zero.bounded_gather import piece_numel
 from partita.zero.freed import (INIT, allocate_param, free_param, init_contexts_opened, is_freed, name_params,
                                 storage_sized)
 from partita.zero.freed import sharded_access_active  # noqa: F401 - re-exported (it lived here)
@@ -94,23 +95,13 @@ def _shard_numel(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
-# [Note: bounded gathers on CPU]
-# gloo runs each collective on one of its worker threads, and its all-gather assembles the
-# result in a flat temporary of the whole output's size allocated on that thread, so from that
-# thread's glibc arena. Freed, it stays resident as the top of that arena: glibc returns an
-# arena's top only once it exceeds the trim threshold (32 MiB once the dynamic mmap threshold
-# has grown) and malloc_trim does not touch the top of a thread's arena. A whole-parameter
-# gather of the largest parameter (a 16 MiB embedding) thus pinned 16 MiB per gloo thread:
-# 32 MiB per rank of a model whose shard was 28 MiB (benchmarks/results/zero_init_host_memory_*).
-# So on CPU a parameter is gathered in pieces of at most this many bytes of output, written
-# straight into its own storage (no whole-size staging tensor either). Accelerator tensors
-# (NCCL, no such temporary) are gathered in one collective.
-_CPU_GATHER_BYTES = 1 << 20
-
-
 @torch.no_grad()
 def gather_init_param(param: nn.Parameter) -> None:
-    """Give a construction-sharded parameter its full storage and values back (collective)."""
+    """Give a construction-sharded parameter its full storage and values back (collective).
+
+    On CPU in pieces of at most ``bounded_gather.PIECE_BYTES`` of output, each written straight
+    into the parameter's own storage (no whole-size staging): [Note: bounded gathers on CPU] in
+    partita/zero/bounded_gather.py says why (a whole gather stayed resident on gloo's threads)."""
     shard = _SHARDS[param]
     world = dist.get_world_size()
     allocate_param(param)
@@ -121,7 +112,7 @@ def gather_init_param(param: nn.Parameter) -> None:
         collectives.all_gather_into_tensor(full, shard, group=None, purpose="zero.Init parameter gather")
         flat.copy_(full[:numel])
         return
-    step = max(1, min(per_rank, _CPU_GATHER_BYTES // (world * shard.element_size())))
+    step = min(per_rank, piece_numel(world, shard.element_size()))
     staging = torch.empty(world * step, dtype=shard.dtype, device=shard.device)
     for lo in range(0, per_rank, step):
         n = min(step, per_rank - lo)
