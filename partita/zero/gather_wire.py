@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.distributed import collectives
-from partita.zero.fp8_gather import is_fp8_gathered, start_fp8_all_gather
+from partita.zero.fp8_gather import is_fp8_gathered, precomputed_fp8_scales, refresh_gatherer_fp8_scales, start_fp8_all_gather
 from partita.zero.quantized_comm import start_quantized_all_gather
 
 PURPOSE = "ZeRO-3 parameter all-gather"
@@ -37,17 +37,21 @@ def wire_of(param: nn.Parameter, *, unit_gather: bool, quantize_weights: str) ->
 
 
 def start_all_gather(
-    local: torch.Tensor, spans: list[tuple[int, int]], *, size: int, group: dist.ProcessGroup | None, wire: Wire
+    local: torch.Tensor, spans: list[tuple[int, int]], *, size: int, group: dist.ProcessGroup | None, wire: Wire,
+    params: list[nn.Parameter] | None = None,
 ) -> tuple[dist.Work | None, torch.Tensor, Any]:
     """Start the all-gather of ``local`` (1-D; the shards at ``spans``, (column, numel) each).
 
     Returns the Work (None: nothing to wait for), the buffer the collective fills and the decoder
     whose ``dequantize(buffer)`` gives the (size, local.numel()) values (None: the buffer is them).
+    ``params``: the gathered parameters in span order; FP8 weights with scales precomputed after the
+    step (zero/fp8_gather.py [Note: per-step scales]) skip the per-gather amax all-reduce.
     """
     if size == 1:
         return None, local.view(1, -1), None
     if wire == "fp8":
-        return start_fp8_all_gather(local, spans, size=size, group=group, purpose=PURPOSE)
+        scales = precomputed_fp8_scales(params) if params is not None else None
+        return start_fp8_all_gather(local, spans, size=size, group=group, purpose=PURPOSE, scales=scales)
     if wire:
         return start_quantized_all_gather(local, size=size, group=group, purpose=PURPOSE)
     gathered = torch.empty((size, local.numel()), dtype=local.dtype, device=local.device)

@@ -66,7 +66,7 @@ from partita.zero.eval_prefetch import EvalPrefetch
 from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.gather_state import InFlight, ParamState
-from partita.zero.gather_wire import PURPOSE, Wire, start_all_gather, wire_of
+from partita.zero.gather_wire import PURPOSE, Wire, refresh_gatherer_fp8_scales, start_all_gather, wire_of
 from partita.zero.holds import Holds
 from partita.zero.hpz import SecondaryPartition
 from partita.zero.partition import ShardSpec
@@ -456,7 +456,7 @@ class ParameterGatherer:
             local = fetch_pieces(storage, self.frozen, pieces, params[len(pieces):], column, self._device)
             size, process_group = (self._world_size, self._process_group) if comm is None else (comm.size, comm.process_group)
             spans = [(col, self._spec(p).shard_numel) for p, col in zip(params, columns)]
-            work, gathered, decoder = start_all_gather(local, spans, size=size, group=process_group, wire=wire)
+            work, gathered, decoder = start_all_gather(local, spans, size=size, group=process_group, wire=wire, params=params)
             ready = storage.issued()
         return self._register(InFlight(work, gathered, params, columns, ready, decoder))
 
@@ -570,6 +570,7 @@ class ParameterGatherer:
         """After an optimizer step: the low-precision shards follow the fp32 master (on the
         device, in host memory or in the swap files, see :attr:`storage`); hpZ's copies are stale."""
         self.storage.refresh()
+        refresh_gatherer_fp8_scales(self._where, self._groups, self.storage, group=self._process_group, world_size=self._world_size)
         if self.hpz is not None:
             self.hpz.drop()
 
