@@ -241,7 +241,7 @@ def _load_on_fewer_ranks(root: str) -> dict:
             out["mean_weights"] = torch.allclose(weights["fc1.weight"].reshape(-1), mean, rtol=0, atol=1e-7)
         losses = _train(engine, range(at, end))[0]
         out[kind] = all(torch.isfinite(torch.tensor(losses)))
-        for stage in (1, 3):
+        for stage in (1, 2, 3):
             try:
                 _engine(kind, stage)
                 out[(kind, stage)] = "not refused"
@@ -262,11 +262,31 @@ def test_checkpoints_resume_exactly_and_reshard(tmp_path):
     for result in run_distributed(_load_on_fewer_ranks, 2, root):
         assert result["mean_weights"] and result["ZeroOneAdam"] and result["OneBitLamb"]
         for kind, why in reasons.items():
-            for stage in (1, 3):
+            for stage in (1, 2, 3):
                 assert result[(kind, stage)] == (
                     f"optimizer type '{kind}' runs with zero_optimization.stage 0 over two or more data-parallel "
                     f"ranks, as in DeepSpeed ({why}); set zero_optimization.stage to 0, or use type \"OneBitAdam\" "
                     "(1-bit Adam at stages 0-2)"), (kind, stage)
+
+
+def _one_rank_refusals() -> dict:
+    from partita.config.base import ConfigError
+
+    out = {}
+    for kind in CKPT:
+        try:
+            _engine(kind)
+            out[kind] = "not refused"
+        except ConfigError as error:
+            out[kind] = str(error)
+    return out
+
+
+def test_one_rank_refused():
+    (result,) = run_distributed(_one_rank_refusals, 1)
+    for kind, message in result.items():
+        assert message.startswith(f"optimizer type '{kind}' runs with zero_optimization.stage 0 over two or more "
+                                  "data-parallel ranks, as in DeepSpeed ("), message
 
 
 def test_params_validated():
