@@ -130,8 +130,9 @@ def _runs(kind: str, baseline_kind: str, baseline_extra: dict, count_at: tuple[i
     # Per group: its rows' length and how many scales each row carries (0/1 Adam: one per parameter).
     chunks = [(rows.chunk, len(rows.group.params) if engine.optimizer.inner.per_parameter_scales else 1)
               for rows in engine.optimizer.inner.rows]
+    coeffs = engine.optimizer.inner.get_lamb_coeffs() if kind == "OneBitLamb" else None
     return {"baseline": baseline[0], "losses": losses, "start": snapshots[:FULL_START + 1], "records": records,
-            "chunks": chunks, "final": snapshots[-1]}
+            "chunks": chunks, "final": snapshots[-1], "coeffs": coeffs}
 
 
 def _tail(losses: list[float]) -> float:
@@ -190,6 +191,9 @@ def test_onebit_lamb_stage0():
     _assert_start_matches(result["start"], _reference("OneBitLamb", FULL_START + 1), FULL_START + 1)
     _assert_compressed_bytes(result["records"][LAMB_FREEZE + 1], "1-bit LAMB momentum exchange", result["chunks"],
                              world)
+    # DeepSpeed's get_lamb_coeffs: the last step's frozen coefficient x factor per parameter (0: no gradient).
+    trainable = [p for p in build_model().parameters() if p.requires_grad]
+    assert len(result["coeffs"]) == len(trainable) and sum(c > 0 for c in result["coeffs"]) == len(trainable) - 2
     # Training against LAMB (this optimizer with compression never starting): on this model 1-bit LAMB ends
     # 7% below LAMB (2.747 vs 2.957); frozen trust ratios that are too small (coeff_beta 0.9) end 24% above.
     losses, lamb = _tail(result["losses"]), _tail(result["baseline"])
@@ -308,6 +312,12 @@ def test_params_validated():
             "min_coeff <= max_coeff") in problem("OneBitLamb", {"min_coeff": 3, "max_coeff": 1})
     assert "factor_threshold = 1: out of range" in problem("OneBitLamb", {"factor_threshold": 1})
     assert "max_grad_norm is not an optimizer parameter" in problem("ZeroOneAdam", {"max_grad_norm": 1.0})
+    from partita.optim.onebit_lamb import OneBitLamb
+
+    with pytest.raises(ValueError, match="OneBitLamb: a param group sets 'exp_avg_mask'"):
+        OneBitLamb([{"params": [torch.zeros(2, requires_grad=True)], "exp_avg_mask": torch.ones(2)}], lr=1e-3,
+                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=5, max_coeff=10.0, min_coeff=0.01,
+                   coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
     # DeepSpeed's documented example configs load as they are.
     zero_one = {"lr": 1e-3, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000,
                 "var_update_scaler": 16, "local_step_scaler": 1000, "local_step_clipper": 16, "cuda_aware": False,

@@ -47,6 +47,12 @@ class OneBitFamily(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
+        if any("exp_avg_mask" in group for group in self.param_groups):
+            raise ValueError(
+                f"{self.kind}: a param group sets 'exp_avg_mask' (DeepSpeed's momentum mask), which partita does not "
+                "apply; remove it from the param groups (parameters that get no gradient are already left out of "
+                "the compressed exchange)"
+            )
         self._sharded: ShardedOptimizer | None = None
         self._reducer = None
         # Per group: this rank's worker error ((world, chunk)) and server error (its row), None until used.

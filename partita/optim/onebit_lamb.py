@@ -62,6 +62,11 @@ class OneBitLamb(OneBitFamily):
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+        self.lamb_coeffs: list[float] = []  # the last step's coefficient per parameter (DeepSpeed's get_lamb_coeffs)
+
+    def get_lamb_coeffs(self) -> list[float]:
+        """The LAMB coefficients the last step applied, per parameter in group order (as DeepSpeed's)."""
+        return self.lamb_coeffs
 
     def init_state(self, master: torch.Tensor) -> dict:
         state = super().init_state(master)
@@ -95,6 +100,8 @@ class OneBitLamb(OneBitFamily):
             if options["weight_decay"] > 0:
                 update.add_(master, alpha=options["weight_decay"])
             spans = _spans(self.zero_groups[g])
+            if g == 0:
+                self.lamb_coeffs = []
             freeze = state["lamb_coeff_freeze"]
             for j, (span, weight_norm, update_norm) in enumerate(zip(spans, _norms(master, spans), _norms(update, spans))):
                 coeff = 1.0
@@ -102,6 +109,7 @@ class OneBitLamb(OneBitFamily):
                     coeff = min(max(weight_norm / update_norm, options["min_coeff"]), options["max_coeff"])
                 if coeff != 1.0:
                     freeze[j] = self.coeff_beta * freeze[j] + (1 - self.coeff_beta) * coeff
+                self.lamb_coeffs.append(coeff)
                 master[span].add_(update[span], alpha=-options["lr"] * coeff)
             state["step"] += 1
 
@@ -121,6 +129,7 @@ class OneBitLamb(OneBitFamily):
     def _compressed_update(self, grads: list[torch.Tensor], used: list[list[bool]]) -> None:
         if "scaling_coeff" not in self.init_state(self.param_groups[0]["params"][0]):
             self._scaling()
+        self.lamb_coeffs = []
         for g, options in enumerate(self.param_groups):
             master = options["params"][0]
             state = self.init_state(master)
@@ -150,6 +159,7 @@ class OneBitLamb(OneBitFamily):
             prelim_norms = _norms(prelim, spans) if options["weight_decay"] > 0 else update_norms
             for j, span in enumerate(spans):
                 if not used[g][j]:
+                    self.lamb_coeffs.append(0.0)
                     continue  # no gradient anywhere: weights and state are put back (unused_params.py)
                 factor = factors[j]
                 if options["weight_decay"] > 0:
@@ -159,5 +169,6 @@ class OneBitLamb(OneBitFamily):
                 previous = state["last_factor"][j]
                 factor = min(max(factor, previous * (1.0 - self.factor_threshold)), previous * (1.0 + self.factor_threshold))
                 state["last_factor"][j] = factor
-                master[span].add_(update[span], alpha=-options["lr"] * state["lamb_coeff_freeze"][j] * factor)
+                self.lamb_coeffs.append(state["lamb_coeff_freeze"][j] * factor)
+                master[span].add_(update[span], alpha=-options["lr"] * self.lamb_coeffs[-1])
             state["step"] += 1
