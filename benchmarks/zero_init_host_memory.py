@@ -11,7 +11,11 @@ at the same points. The figure per point is ``(rank RSS - its baseline) / (refer
 baseline)``: 1/world is the ideal, plus what cannot shard (buffers, the data, torch's own).
 Reported with and without glibc's ``malloc_trim(0)`` just before each reading
 (``--no-trim`` leaves it out), which tells memory still held by tensors from memory the C
-allocator keeps cached after tensors were freed.
+allocator keeps cached after tensors were freed. Each reading also records where the rank's
+memory is (``breakdown`` in the JSON, printed for rank 0): ``live`` (the bytes of every tensor
+storage reachable from Python, zero.Init's shards included, each counted once) and
+``thread_arenas`` (resident bytes of glibc's per-thread arenas: anonymous mappings starting on a
+64 MiB boundary, where gloo's worker threads allocate; ``malloc_trim`` never returns their top).
 """
 
 from __future__ import annotations
@@ -48,6 +52,37 @@ def _reading(trim: bool) -> int:
     if trim:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     return rss_bytes()
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage reachable from Python (and zero.Init's shards), once each."""
+    from partita.zero.init_context import _SHARDS
+
+    seen, total = set(), 0
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)] + list(_SHARDS.values())
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total
+
+
+def thread_arena_bytes() -> int:
+    """Resident bytes of glibc's per-thread arenas (anonymous maps aligned to their 64 MiB size)."""
+    total, arena = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                start = int(fields[0].split("-")[0], 16)
+                arena = len(fields) == 5 and start % (64 << 20) == 0  # no path: anonymous
+            elif arena and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
 
 
 def _config(stage: int) -> dict:
@@ -91,14 +126,20 @@ def _measure(rank: int, world: int, store_path: str, args: argparse.Namespace, q
     _train(warm_engine, 64, 8, rank)
     warm_engine.destroy()
     del warm, warm_engine
-    readings = {"baseline": _reading(args.trim)}
+    readings, breakdown = {}, {}
+
+    def read(point: str) -> None:
+        readings[point] = _reading(args.trim)
+        breakdown[point] = {"live": live_tensor_bytes(), "thread_arenas": thread_arena_bytes()}
+
+    read("baseline")
     model = _build(cfg, world)
-    readings["built"] = _reading(args.trim)
+    read("built")
     engine, *_ = partita.initialize(model=model, config=_config(3 if world > 1 else 0))
-    readings["initialized"] = _reading(args.trim)
+    read("initialized")
     _train(engine, args.vocab, args.seq, rank)
-    readings["trained"] = _reading(args.trim)
-    queue.put((rank, readings, sum(p.numel() for p in model.parameters())))
+    read("trained")
+    queue.put((rank, readings, breakdown))
     engine.destroy()
     dist.destroy_process_group()
 
@@ -114,7 +155,7 @@ def run(world: int, args: argparse.Namespace) -> list[dict]:
         results = [queue.get(timeout=900) for _ in procs]
         for p in procs:
             p.join(timeout=120)
-    return [readings for _, readings, _ in sorted(results, key=lambda item: item[0])]
+    return [(readings, breakdown) for _, readings, breakdown in sorted(results, key=lambda item: item[0])]
 
 
 def main(argv: list[str]) -> int:
@@ -127,17 +168,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-trim", dest="trim", action="store_false")
     parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args(argv)
-    reference = run(1, args)[0]
-    ranks = run(args.world, args)
+    reference, reference_breakdown = run(1, args)[0]
+    ranks, breakdowns = zip(*run(args.world, args))
     report = {"world": args.world, "model": {"d_model": args.d_model, "layers": args.layers, "vocab": args.vocab},
-              "trim": args.trim, "torch": torch.__version__, "reference_bytes": reference, "rank_bytes": ranks,
-              "ratio": {}}
+              "trim": args.trim, "torch": torch.__version__, "reference_bytes": reference, "rank_bytes": list(ranks),
+              "breakdown": {"reference": reference_breakdown, "ranks": list(breakdowns)}, "ratio": {}}
     for point in POINTS:
         ref = reference[point] - reference["baseline"]
         ratios = [(r[point] - r["baseline"]) / ref for r in ranks]
         report["ratio"][point] = {"max": max(ratios), "mean": sum(ratios) / len(ratios), "reference_mib": ref / 2**20}
+        mine, base = breakdowns[0][point], breakdowns[0]["baseline"]
         print(f"{point:12s} reference {ref / 2**20:8.1f} MiB   rank/reference: max {max(ratios):.3f} "
-              f"mean {sum(ratios) / len(ratios):.3f} (ideal {1 / args.world:.3f})")
+              f"mean {sum(ratios) / len(ratios):.3f} (ideal {1 / args.world:.3f})   rank 0 growth: "
+              f"{(ranks[0][point] - ranks[0]['baseline']) / 2**20:.1f} MiB, live tensors "
+              f"{(mine['live'] - base['live']) / 2**20:+.1f}, thread arenas "
+              f"{(mine['thread_arenas'] - base['thread_arenas']) / 2**20:+.1f}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=2)
