@@ -61,18 +61,26 @@ class OneBitFamily(torch.optim.Optimizer):
         self.rows: list[RowLayout] = []
 
     # ------------------------------------------------------------------ wiring
+    sharded_stages = False  # whether ZeRO stages 1-2 (partitioned masters) are built for this optimizer
+    stage_reason = ""
+
     def _stages_message(self) -> str:
+        if self.sharded_stages:
+            return (
+                f"optimizer type '{self.kind}' runs with zero_optimization.stage 0, 1 or 2 over two or more "
+                f"data-parallel ranks ({self.stage_reason}); set zero_optimization.stage to 0, 1 or 2, or use "
+                "type \"AdamW\""
+            )
         return (
             f"optimizer type '{self.kind}' runs with zero_optimization.stage 0 over two or more data-parallel ranks, "
             f"as in DeepSpeed ({self.stage_reason}); set zero_optimization.stage to 0, or use type \"OneBitAdam\" "
             "(1-bit Adam at stages 0-2)"
         )
 
-    stage_reason = ""
-
     def attach_zero(self, sharded: ShardedOptimizer) -> None:
         """Called by the sharded optimizer that owns this optimizer (partita/zero/sharded_optimizer.py)."""
-        if sharded._world_size < 2 or any(g.layout.num_shards != 1 for g in sharded.groups):
+        allowed = (1, sharded._world_size) if self.sharded_stages else (1,)
+        if sharded._world_size < 2 or any(g.layout.num_shards not in allowed for g in sharded.groups):
             raise ConfigError(self._stages_message())
         if any(g.offloaded for g in sharded.groups) or any(g.comm is not None and g.comm.size != sharded._world_size
                                                             for g in sharded.groups):
@@ -143,15 +151,31 @@ class OneBitFamily(torch.optim.Optimizer):
         load_worker_errors(self, reader, meta, names, rank_file)
 
     def server_error(self, g: int) -> torch.Tensor:
-        """This rank's server error of group ``g`` (its row of the flat group)."""
+        """This rank's server error of group ``g``: its row of the exchange (stages 1-2: its partition, kept in
+        the optimizer state, so checkpoints reshard it per element, as OneBitAdam's)."""
+        if self.rows[g].sharded:
+            master = self.param_groups[g]["params"][0]
+            return self.state[master].setdefault("server_error", torch.zeros_like(master))
         if self.server_errors[g] is None:
             self.server_errors[g] = self.rows[g].empty()[0]
         return self.server_errors[g]
 
     def reset_errors(self) -> None:
-        """Error feedback back to zero (0/1 Adam does so when its variance freezes)."""
+        """Error feedback back to zero (0/1 Adam does so when its variance freezes; stage 0 only)."""
         self.worker_errors = [None] * len(self.worker_errors)
         self.server_errors = [None] * len(self.server_errors)
+
+    def reduce_over_ranks(self, values: torch.Tensor, op: str) -> torch.Tensor:
+        """``values`` summed (``op`` "sum") or maxed ("max") over the data-parallel ranks at stages 1-2, where
+        each rank holds a part of every parameter; as they are at stage 0."""
+        if not self.rows or not self.rows[0].sharded:
+            return values
+        import torch.distributed as dist
+
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        collectives.all_reduce(values, op=reduce_op, group=self._sharded.process_group,
+                               purpose=f"{self.purpose}: per-parameter {op}s")
+        return values
 
     # ------------------------------------------------------------------ compressed steps
     @torch.no_grad()

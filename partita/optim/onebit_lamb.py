@@ -40,19 +40,16 @@ __all__ = ["OneBitLamb"]
 
 
 def _spans(group) -> list[slice]:
-    return [slice(s.partition_offset, s.partition_offset + s.numel) for s in group.layout.specs]
-
-
-def _norms(x: torch.Tensor, spans: list[slice]) -> list[float]:
-    """Each parameter's L2 norm of the flat ``x`` (one host transfer)."""
-    return torch.stack([torch.linalg.vector_norm(x[span]) for span in spans]).tolist()
+    """Each parameter's elements in this rank's partition (stage 0: the whole parameter; may be empty)."""
+    return [slice(spec.partition_offset, spec.partition_offset + (end - start)) for _, spec, (start, end) in
+            group.owned_slices()]
 
 
 class OneBitLamb(OneBitFamily):
     kind = "OneBitLamb"
     purpose = "1-bit LAMB momentum exchange"
-    stage_reason = ("its trust ratios are per whole parameter, and at stages 1-2 a rank holds only its partition "
-                    "of the fp32 master weights")
+    sharded_stages = True
+    stage_reason = "its compressed exchange replaces the gradient all-reduce or reduce-scatter; stage 3 is not built"
 
     def __init__(self, params: Any, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  freeze_step: int, max_coeff: float, min_coeff: float, coeff_beta: float, factor_max: float,
@@ -63,6 +60,29 @@ class OneBitLamb(OneBitFamily):
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.lamb_coeffs: list[float] = []  # the last step's coefficient per parameter (DeepSpeed's get_lamb_coeffs)
+        # Per group, compressed phase: the synchronised momentum of the whole group, (world, chunk), unscaled
+        # (stages 1-2: every rank's partition; rebuilt from the exp_avg partitions by one all-gather).
+        self._momentum: list[torch.Tensor | None] = []
+
+    def attach_zero(self, sharded) -> None:
+        super().attach_zero(sharded)
+        self._momentum = [None] * len(sharded.groups)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._momentum = [None] * len(self._momentum)
+
+    def _norms(self, x: torch.Tensor, spans: list[slice]) -> list[float]:
+        """Each parameter's L2 norm of the partition-shaped ``x`` (stages 1-2: over every rank's part)."""
+        if not self.rows[0].sharded:
+            return torch.stack([torch.linalg.vector_norm(x[span]) for span in spans]).tolist()
+        squares = torch.stack([x[span].square().sum() for span in spans])
+        return self.reduce_over_ranks(squares, "sum").sqrt().tolist()
+
+    def _maxes(self, x: torch.Tensor, spans: list[slice]) -> list[float]:
+        """Each parameter's largest element of ``x`` (>= 0 here; an empty part counts 0)."""
+        local = torch.stack([x[span].max() if span.stop > span.start else x.new_zeros(()) for span in spans])
+        return self.reduce_over_ranks(local, "max").tolist()
 
     def get_lamb_coeffs(self) -> list[float]:
         """The LAMB coefficients the last step applied, per parameter in group order (as DeepSpeed's)."""
@@ -103,7 +123,8 @@ class OneBitLamb(OneBitFamily):
             if g == 0:
                 self.lamb_coeffs = []
             freeze = state["lamb_coeff_freeze"]
-            for j, (span, weight_norm, update_norm) in enumerate(zip(spans, _norms(master, spans), _norms(update, spans))):
+            for j, (span, weight_norm, update_norm) in enumerate(zip(spans, self._norms(master, spans),
+                                                                     self._norms(update, spans))):
                 coeff = 1.0
                 if weight_norm != 0 and update_norm != 0:
                     coeff = min(max(weight_norm / update_norm, options["min_coeff"]), options["max_coeff"])
@@ -119,12 +140,26 @@ class OneBitLamb(OneBitFamily):
         rms = []
         for g, options in enumerate(self.param_groups):
             exp_avg = self.init_state(options["params"][0])["exp_avg"]
-            spans = _spans(self.zero_groups[g])
-            rms.append([n / math.sqrt(s.stop - s.start) for n, s in zip(_norms(exp_avg, spans), spans)])
+            group = self.zero_groups[g]
+            norms = self._norms(exp_avg, _spans(group))
+            rms.append([n / math.sqrt(spec.numel) for n, spec in zip(norms, group.layout.specs)])
         flat = [r for group_rms in rms for r in group_rms]
         united = sum(flat) / len(flat)
         for options, group_rms in zip(self.param_groups, rms):
             self.state[options["params"][0]]["scaling_coeff"] = [united / r if r > 0 else 1.0 for r in group_rms]
+
+    def _momentum_of(self, g: int, exp_avg: torch.Tensor) -> torch.Tensor:
+        if self._momentum[g] is None:
+            rows = self.rows[g]
+            momentum = rows.from_partition(exp_avg)
+            if momentum is None:  # stages 1-2: every rank's exp_avg partition
+                from partita.distributed import collectives
+
+                momentum = rows.empty()
+                collectives.all_gather_into_tensor(momentum.view(-1), exp_avg, group=self._sharded.process_group,
+                                                   purpose=f"{self.purpose}: momentum rebuild")
+            self._momentum[g] = momentum
+        return self._momentum[g]
 
     def _compressed_update(self, grads: list[torch.Tensor], used: list[list[bool]]) -> None:
         if "scaling_coeff" not in self.init_state(self.param_groups[0]["params"][0]):
@@ -133,18 +168,15 @@ class OneBitLamb(OneBitFamily):
         for g, options in enumerate(self.param_groups):
             master = options["params"][0]
             state = self.init_state(master)
-            spans = _spans(self.zero_groups[g])
-            scaling = state["scaling_coeff"]
+            rows, spans = self.rows[g], _spans(self.zero_groups[g])
             beta1, beta2 = options["betas"]
             exp_avg = state["exp_avg"]
             last = exp_avg.clone()
-            local = self.rows[g].own(grads[g])  # this rank's momentum estimate, scaled, in place
-            local.mul_(1 - beta1).add_(exp_avg, alpha=beta1)
-            for span, c in zip(spans, scaling):
-                local[span].mul_(c)
-            exp_avg.copy_(self.rows[g].own(self.exchange(g, grads[g], used[g])))
-            for span, c in zip(spans, scaling):
-                exp_avg[span].div_(c)
+            # Every element's scaling (padding: the first parameter's; it is zero and masked anyway).
+            scaling = torch.tensor(state["scaling_coeff"], dtype=torch.float32, device=master.device)[rows.segments]
+            estimate = grads[g].mul_(1 - beta1).add_(self._momentum_of(g, exp_avg), alpha=beta1).mul_(scaling)
+            self._momentum[g] = self.exchange(g, estimate, used[g]).div_(scaling)
+            exp_avg.copy_(rows.own(self._momentum[g]))
             fresh = state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
             rebuilt = (exp_avg - last * beta1) / (1 - beta1)
             fresh.mul_(beta2).addcmul_(rebuilt, rebuilt, value=1 - beta2)
@@ -153,10 +185,9 @@ class OneBitLamb(OneBitFamily):
             update = prelim.clone()
             if options["weight_decay"] > 0:
                 update.add_(master, alpha=options["weight_decay"])
-            ratio_of = denom / (fresh.sqrt() + options["eps"])
-            factors = torch.stack([ratio_of[span].max() for span in spans]).tolist()
-            update_norms = _norms(update, spans)
-            prelim_norms = _norms(prelim, spans) if options["weight_decay"] > 0 else update_norms
+            factors = self._maxes(denom / (fresh.sqrt() + options["eps"]), spans)
+            update_norms = self._norms(update, spans)
+            prelim_norms = self._norms(prelim, spans) if options["weight_decay"] > 0 else update_norms
             for j, span in enumerate(spans):
                 if not used[g][j]:
                     self.lamb_coeffs.append(0.0)
