@@ -1,4 +1,4 @@
-"""What 0/1 Adam and 1-bit LAMB share: ZeRO stage 0 wiring, local gradients, the compressed exchange.
+"""What 0/1 Adam and 1-bit LAMB share: ZeRO wiring, local gradients, the compressed exchange.
 
 Both optimizers step in two ways, chosen per step by ``compressed_phase()`` (subclasses define it):
 - a full-precision step: the engine reduces the gradients as for any optimizer, the sharded optimizer
@@ -10,9 +10,10 @@ Both optimizers step in two ways, chosen per step by ``compressed_phase()`` (sub
   (:mod:`partita.optim.onebit_comm`, the same error-compensated 1-bit all-to-all + all-gather as
   OneBitAdam).
 
-Stage 0 only, as DeepSpeed: 0/1 Adam's local steps change every rank's whole model on its own between
-synchronisations, and 1-bit LAMB's per-parameter trust ratios need whole parameters; at stages 1-2 a
-rank holds only its partition of the fp32 masters. Clipping and the fp16 overflow check use the local
+0/1 Adam runs at stage 0 only, as in DeepSpeed: its local steps change every rank's whole model on its
+own between synchronisations, and at stages 1-2 a rank holds only its partition of the fp32 masters.
+1-bit LAMB also runs at stages 1-2 (``sharded_stages``): the rows are the ZeRO partitions, and its
+per-parameter norms are summed over the ranks' parts (:meth:`OneBitFamily.reduce_over_ranks`). Clipping and the fp16 overflow check use the local
 gradients, as OneBitAdam does (one fp32 all-reduce of the squared local norms per compressed step, so
 that every rank skips or clips alike and the schedules stay in step).
 """
@@ -39,7 +40,7 @@ __all__ = ["OneBitFamily"]
 
 class OneBitFamily(torch.optim.Optimizer):
     """Base of :class:`~partita.optim.zero_one_adam.ZeroOneAdam` and
-    :class:`~partita.optim.onebit_lamb.OneBitLamb` (ZeRO stage 0, two or more ranks)."""
+    :class:`~partita.optim.onebit_lamb.OneBitLamb` (two or more ranks)."""
 
     kind = ""  # the config type, for messages
     purpose = ""  # the comms logger's purpose of the compressed exchange

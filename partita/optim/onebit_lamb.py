@@ -1,4 +1,4 @@
-"""1-bit LAMB (DeepSpeed's ``OneBitLamb``, arXiv 2104.06069) at ZeRO stage 0.
+"""1-bit LAMB (DeepSpeed's ``OneBitLamb``, arXiv 2104.06069) at ZeRO stages 0, 1 and 2 (DeepSpeed: 0 only).
 
 Steps are counted as DeepSpeed counts them (partita/optim/zero_one_adam.py, [Note: DeepSpeed's steps]):
 DeepSpeed's first step only sets up buffers, so partita's update ``n`` is DeepSpeed's step ``n + 1``;
@@ -22,7 +22,16 @@ error-compensated 1-bit exchange, and is unscaled. From it the gradient is recon
 is on) is clamped to ``[factor_min, factor_max]`` and to ``last_factor * (1 +- factor_threshold)``; the
 step is ``p -= lr * frozen_coeff * factor * u`` with the frozen ``v``.
 
-Checkpoints: ``exp_avg``, ``exp_avg_sq`` and ``exp_avg_sq_fresh`` are per-element state; the
+Stages 1-2: the exchange's rows are the ZeRO partitions (as OneBitAdam's). Each rank keeps the
+synchronised momentum of the whole group (``world x partition`` fp32, rebuilt from the ``exp_avg``
+partitions by one all-gather at the first compressed step or after a load) to form its local estimate
+over every partition; it updates only its own partition, and ZeRO's parameter all-gather follows. Per
+parameter, the norms are sums over the ranks' parts and the factor a maximum (two small all-reduces per
+group and step). The warm-up is LAMB on the reduce-scattered gradient partitions, with the same all-reduced
+norms.
+
+Checkpoints: ``exp_avg``, ``exp_avg_sq``, ``exp_avg_sq_fresh`` (and at stages 1-2 ``server_error``) are
+per-element state; the
 per-parameter coefficients (``lamb_coeff_freeze``, ``last_factor``, ``scaling_coeff``) are lists of
 floats in the state (JSON in the checkpoint); the error feedback is saved per rank as OneBitAdam's.
 """
