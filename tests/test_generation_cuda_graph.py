@@ -96,6 +96,18 @@ def test_stage0_greedy_equals_generate_after_training(capture_on_cpu):
     assert engine._generation._static_decoding._decoder is not None  # the loop served the calls
 
 
+def test_input_require_grads_hook_is_off_for_the_decode_and_back_after(capture_on_cpu):
+    # Trainer/TRL register it for gradient checkpointing; dynamo in torch 2.11 cannot capture its
+    # requires_grad_() (the H200 GRPO run failed on it): off for the decode, registered again after.
+    engine = _engine(0)
+    engine.module.enable_input_require_grads()
+    ids = torch.randint(1, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    reference, got = _both(engine, ids, max_new_tokens=7, do_sample=False)
+    assert torch.equal(reference, got)
+    assert engine._generation._static_decoding._decoder is not None
+    assert getattr(engine.module, "_require_grads_hook", None) is not None  # registered again
+
+
 def test_fallback_for_settings_the_loop_does_not_implement(capture_on_cpu):
     engine = _engine(0)
     ids = torch.randint(1, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(4))

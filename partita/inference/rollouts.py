@@ -17,8 +17,9 @@ otherwise; the weights' values are read at replay, so in-place updates are alway
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -34,6 +35,23 @@ def _device_of(module: nn.Module) -> torch.device | None:
     for param in module.parameters():
         return param.device
     return None
+
+
+@contextlib.contextmanager
+def _input_grad_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Hugging Face's ``enable_input_require_grads`` hook (Trainer and TRL register it for gradient
+    checkpointing and adapters) sets ``requires_grad`` on the embedding's output, which dynamo cannot
+    capture; a no-grad decode needs none, so it is removed for the call and registered again after
+    (transformers' own pair of methods)."""
+    active = getattr(module, "_require_grads_hooks", None) or getattr(module, "_require_grads_hook", None)
+    if not active:
+        yield
+        return
+    module.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        module.enable_input_require_grads()
 
 
 class RolloutDecoding:
@@ -81,7 +99,12 @@ class RolloutDecoding:
             return None
         if self._decoder is None:
             self._decoder = StaticDecoder(self._module, compile=True, backend=self.backend)
-        return lambda: self._decoder.generate(**call)
+
+        def decode() -> Any:
+            with _input_grad_hooks_off(self._module):
+                return self._decoder.generate(**call)
+
+        return decode
 
     def _log(self, reason: str) -> None:
         if reason != self._logged and self._rank == 0:
