@@ -119,3 +119,51 @@ def test_rows_gathered_in_pieces_equal_one_all_gather() -> None:
     for per_rank in run_distributed(_rows_gathered, 2, 24):
         for rows in per_rank:  # synchronous, then asynchronous (wait() lays the pieces in)
             assert torch.equal(rows, want)
+
+
+class _TruncInit(nn.Module):
+    """Initialised through apply by ops that overwrite first (trunc_normal_: uniform_, then four
+    in-place ops reading it) and one that reads first (the embedding's rescale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 11)
+        self.proj = nn.Linear(11, 13)
+        self.apply(_trunc_init)
+
+
+def _trunc_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        with torch.no_grad():
+            module.weight.mul_(0.5)
+            module.weight[0].zero_()
+
+
+def _gathers_of_apply_inits() -> tuple[int, dict[str, torch.Tensor]]:
+    import partita.zero.init_context as init_context
+    from partita.distributed.init import init_distributed
+    from partita.zero import Init
+
+    init_distributed()
+    gathered = []
+    plain_gather = init_context.gather_init_param
+    init_context.gather_init_param = lambda param: (gathered.append(tuple(param.shape)), plain_gather(param))
+    torch.manual_seed(0)
+    with Init():
+        model = _TruncInit()
+        init_context.gather_init_param = plain_gather
+        return gathered, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_apply_gathers_a_parameter_only_when_its_first_op_reads_it() -> None:
+    torch.manual_seed(0)
+    want = {name: p.detach() for name, p in _TruncInit().named_parameters()}
+    for gathered, values in run_distributed(_gathers_of_apply_inits, 2):
+        # Only the embedding (its first op reads it), once; the Linear's trunc_normal_ starts with
+        # uniform_, which overwrites it, and keeps it whole for the four ops after.
+        assert gathered == [(37, 11)], gathered
+        for name, value in values.items():
+            assert torch.equal(value, want[name]), name

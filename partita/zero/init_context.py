@@ -18,8 +18,9 @@ parameter, ``normal_``/``uniform_``/``fill_``/``zero_``/``copy_``, only allocate
 and keeps this rank's slice of the result. So every rank runs the same ops on the same whole
 values with the same random stream, exactly as an unsharded build does (construction is
 deterministic, so every rank issues the same gathers in the same order). View ops need no
-data: the storage only gets its size back while the view is made. ``module.apply(fn)`` gathers each module's parameters once around
-``fn`` (one collective per module rather than per op). After the context, a parameter has no
+data: the storage only gets its size back while the view is made. Inside ``module.apply(fn)``
+a module's parameter made whole by an op stays whole until ``fn`` returns (at most one gather per
+parameter, none when ``fn`` overwrites it first, as initialisers do). After the context, a parameter has no
 storage until ``initialize`` gathers it: its shape and dtype answer, and any read of its values
 raises ``ParameterNotGatheredError`` ([Note: freed parameters] in partita/zero/freed.py).
 
@@ -290,18 +291,27 @@ class Init:
             _register(param, shard)
 
 
+# What ``Module.apply`` runs its function on now, innermost last: that module's sharded parameters
+# and those of them an op has made whole (kept whole until the function returns).
+_APPLYING: list[tuple[list[nn.Parameter], list[nn.Parameter]]] = []
+
+
 def _gathering_apply(module: nn.Module, fn) -> nn.Module:
-    """``Module.apply`` inside ``zero.Init``: each module's sharded parameters are whole while
-    ``fn`` runs on it, and what ``fn`` writes is kept."""
+    """``Module.apply`` inside ``zero.Init``: ``fn`` sees each module's sharded parameters whole,
+    and what it writes is kept. A parameter is made whole by ``fn``'s first op on it, a gather,
+    or only an allocation when that op overwrites all of it (``normal_``, ``zero_``: GPT's and most
+    models' initialisation then gathers nothing), and stays whole until ``fn`` returns, so later
+    ops on it (``trunc_normal_``'s five) cost no collective."""
     for child in module.children():
         _gathering_apply(child, fn)
     sharded = [p for p in module._parameters.values() if p is not None and p in _SHARDS]
-    for param in sharded:
-        gather_init_param(param)
+    made_whole: list[nn.Parameter] = []
+    _APPLYING.append((sharded, made_whole))
     try:
         fn(module)
     finally:
-        for param in sharded:
+        _APPLYING.pop()
+        for param in made_whole:
             reshard_init_param(param)
     return module
 
@@ -334,16 +344,22 @@ class _ShardedParamAccess(TorchDispatchMode):
             # size (no gather) while the view is made. Later ops on the view are seen like any other.
             with storage_sized(freed):
                 return func(*args, **kwargs)
+        applying = _APPLYING[-1] if _APPLYING else None
+        kept: list[nn.Parameter] = []  # whole until Module.apply's function returns (_gathering_apply)
         for param in freed:
             if func in _OVERWRITES and _overwrites_whole(args, tensors, param):
                 allocate_param(param)  # no gather: the op writes every element
             else:
                 gather_init_param(param)
+            if applying is not None and any(p is param for p in applying[0]):
+                applying[1].append(param)
+                kept.append(param)
         try:
             return func(*args, **kwargs)
         finally:
             for param in freed:
-                reshard_init_param(param)
+                if all(p is not param for p in kept):
+                    reshard_init_param(param)
 
 
 def _overwrites_whole(args: tuple, tensors: list[torch.Tensor], param: nn.Parameter) -> bool:
