@@ -17,7 +17,8 @@ Cases and their baselines:
   var_update_scaler 16, local_step_scaler 40, local_step_clipper 4: refreshes until step 60, then local
   steps of up to 4), baseline DeepSpeed's 0/1 Adam update rule uncompressed (no bias correction; the ratio
   to AdamW is recorded as well); OneBitLamb (lr 1e-2, freeze_step 40, coeff_beta 0.9), baseline LAMB
-  (OneBitLamb whose compression never starts: partita has no separate LAMB).
+  (OneBitLamb whose compression never starts: partita has no separate LAMB);
+- ZeRO-1: OneBitAdam and OneBitLamb as above, against ZeRO-1 AdamW and LAMB.
 
 Recorded per case: the final train loss (mean of the last 20 steps' losses, averaged over ranks), the
 validation loss (64 fixed windows of the held-out split) at the end, and both as ratios to the baseline.
@@ -59,6 +60,11 @@ CASES = {
                                            "local_step_clipper": 4}, {"stage": 0}, "ZeRO-0 0/1 Adam rule, uncompressed"),
     "ZeRO-0 LAMB": ("OneBitLamb", {"freeze_step": 10**9}, {"stage": 0}, None),
     "ZeRO-0 OneBitLamb": ("OneBitLamb", {"freeze_step": 40}, {"stage": 0}, "ZeRO-0 LAMB"),
+    # ZeRO-1 (partita's extension: DeepSpeed runs its 1-bit optimizers at stage 0 only).
+    "ZeRO-1 AdamW": ("AdamW", {}, {"stage": 1}, None),
+    "ZeRO-1 OneBitAdam": ("OneBitAdam", {"freeze_step": 40}, {"stage": 1}, "ZeRO-1 AdamW"),
+    "ZeRO-1 LAMB": ("OneBitLamb", {"freeze_step": 10**9}, {"stage": 1}, None),
+    "ZeRO-1 OneBitLamb": ("OneBitLamb", {"freeze_step": 40}, {"stage": 1}, "ZeRO-1 LAMB"),
 }
 
 
