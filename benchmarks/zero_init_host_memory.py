@@ -2,7 +2,7 @@
 holding it whole (issue 32, item 9).
 
     python benchmarks/zero_init_host_memory.py [--world 4] [--d-model 512] [--layers 8] [--no-trim]
-        [--bounded-unit-gathers] [--out r.json]
+        [--out r.json]
 
 Each rank (gloo, spawned here) reads its resident set size (``VmRSS`` in /proc/self/status) at
 four points: after torch.distributed is up (the baseline), after the model is built under
@@ -111,27 +111,10 @@ def _train(engine, vocab: int, seq: int, rank: int) -> None:
         engine.step()
 
 
-def _bound_unit_gathers() -> None:
-    """``--bounded-unit-gathers``: ZeRO-3's exact unit gathers through bounded_gather.all_gather_rows
-    (1 MiB pieces on CPU), what wiring partita/zero/gather_wire.py to it would give."""
-    import types
-
-    import partita.zero.gather_wire as gather_wire
-    from partita.distributed import collectives
-    from partita.zero.bounded_gather import all_gather_rows
-
-    def all_gather(output, local, *, group, purpose, async_op=False):
-        return all_gather_rows(output.view(-1, local.numel()), local, group=group, purpose=purpose, async_op=async_op)
-
-    gather_wire.collectives = types.SimpleNamespace(all_gather_into_tensor=all_gather, wait=collectives.wait)
-
-
 def _measure(rank: int, world: int, store_path: str, args: argparse.Namespace, queue) -> None:
     import partita
     from partita.models.gpt import GPTConfig
 
-    if args.bounded_unit_gathers:
-        _bound_unit_gathers()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store_path}")
     partita.init_distributed(dist_backend="gloo")
@@ -184,14 +167,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--no-trim", dest="trim", action="store_false")
-    parser.add_argument("--bounded-unit-gathers", action="store_true",
-                        help="ZeRO-3's unit gathers in 1 MiB pieces too (an experiment: not wired in partita yet)")
     parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args(argv)
     reference, reference_breakdown = run(1, args)[0]
     ranks, breakdowns = zip(*run(args.world, args))
     report = {"world": args.world, "model": {"d_model": args.d_model, "layers": args.layers, "vocab": args.vocab},
-              "trim": args.trim, "bounded_unit_gathers": args.bounded_unit_gathers, "torch": torch.__version__, "reference_bytes": reference, "rank_bytes": list(ranks),
+              "trim": args.trim, "torch": torch.__version__, "reference_bytes": reference, "rank_bytes": list(ranks),
               "breakdown": {"reference": reference_breakdown, "ranks": list(breakdowns)}, "ratio": {}}
     for point in POINTS:
         ref = reference[point] - reference["baseline"]

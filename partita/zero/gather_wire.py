@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.distributed import collectives
+from partita.zero.bounded_gather import all_gather_rows
 from partita.zero.fp8_gather import is_fp8_gathered, precomputed_fp8_scales, refresh_gatherer_fp8_scales, start_fp8_all_gather
 from partita.zero.quantized_comm import start_quantized_all_gather
 
@@ -55,5 +55,6 @@ def start_all_gather(
     if wire:
         return start_quantized_all_gather(local, size=size, group=group, purpose=PURPOSE)
     gathered = torch.empty((size, local.numel()), dtype=local.dtype, device=local.device)
-    work = collectives.all_gather_into_tensor(gathered.view(-1), local, group=group, purpose=PURPOSE, async_op=True)
+    # On CPU in pieces of bounded size (zero/bounded_gather.py [Note: bounded gathers on CPU]).
+    work = all_gather_rows(gathered, local, group=group, purpose=PURPOSE, async_op=True)
     return work, gathered, None
