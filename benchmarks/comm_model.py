@@ -9,7 +9,10 @@ counted bytes of a real run). Compute per step = tokens per rank / a measured ra
 per H200 for GPT-1.3B (micro-batch 1 x 2048 tokens, one GPU, 2026-12-01 report,
 memory_breakdown_stream_final2_mb1_h200_2026-12-01.json). The quantize cost assumes 3,000 GB/s of
 achieved memory bandwidth. Each row gives both bounds: no overlap (compute + coding + transfer)
-and full overlap (max of the two). qgZ is modelled in two hops across nodes, as partita runs it
+and full overlap (max of the two). hpZ's group is one node (G = ranks per node); OneBitAdam and
+OneBitLamb rows are their compressed phase (warm-up steps are the AdamW / LAMB rows); ZeroOneAdam
+is the mean step on DeepSpeed's default schedule (the step log's window) and its steady phase 2,
+one sync every 16 steps. qgZ is modelled in two hops across nodes, as partita runs it
 (an all-to-all inside each node, then one between nodes); the "one hop" row is the single
 all-to-all a reduce over a sub-group still uses.
 """
@@ -23,20 +26,30 @@ import torch
 
 from partita.models.gpt import GPT, GPTConfig
 from partita.monitor import comm_model as cm
+from partita.monitor.comm_advice import zero_one_adam_horizon
+from partita.optim.config import ZeroOneAdamParams
 
 TOKENS_PER_S = 30_100.0
 MEMORY_GBYTES_PER_S = 3000.0
 
 
-def gpt_1_3b_params() -> int:
+def gpt_1_3b_params() -> tuple[int, int]:
+    """(elements, parameter tensors) of GPT-1.3B."""
     with torch.device("meta"):
         model = GPT(GPTConfig.gpt_1_3b())
-    return sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), len(params)
 
 
-def plans(numel: int, world: int, ranks_per_node: int) -> dict[str, list[cm.Collective]]:
+def plans(numel: int, world: int, ranks_per_node: int, tensors: int = 1) -> dict[str, list[cm.Collective]]:
     # qgZ as partita runs it: two hops across nodes (partita/zero/hierarchical_reduce.py). The one-hop
-    # row is what a reduce over a sub-group, or the code before two hops, sends.
+    # row is what a reduce over a sub-group, or the code before two hops, sends. hpZ's group is one node.
+    g = ranks_per_node
+    zero_one = ZeroOneAdamParams()  # DeepSpeed's defaults
+    horizon = zero_one_adam_horizon(zero_one)
+    schedule = dict(var_freeze_step=zero_one.var_freeze_step, var_update_scaler=zero_one.var_update_scaler,
+                    local_step_scaler=zero_one.local_step_scaler, local_step_clipper=zero_one.local_step_clipper)
+    onebit = dict(parameters=tensors)
     return {
         "ZeRO-3": cm.zero3_collectives(numel, world),
         "ZeRO-3 + qwZ": cm.zero3_collectives(numel, world, weight_bits=8),
@@ -44,18 +57,32 @@ def plans(numel: int, world: int, ranks_per_node: int) -> dict[str, list[cm.Coll
         "ZeRO-3 + qwZ + qgZ (int4)": cm.zero3_collectives(numel, world, weight_bits=8, grad_bits=4,
                                                           ranks_per_node=ranks_per_node),
         "ZeRO-3 + qwZ + qgZ (int4, one hop)": cm.zero3_collectives(numel, world, weight_bits=8, grad_bits=4),
+        f"ZeRO-3 + hpZ (G={g})": cm.zero3_collectives(numel, world, hpz_partition_size=g),
+        f"ZeRO-3 + qwZ + hpZ (G={g})": cm.zero3_collectives(numel, world, weight_bits=8, hpz_partition_size=g),
+        f"ZeRO-3 + qwZ + qgZ (int4) + hpZ (G={g})": cm.zero3_collectives(
+            numel, world, weight_bits=8, grad_bits=4, ranks_per_node=ranks_per_node, hpz_partition_size=g),
         "ZeRO-0 AdamW": cm.data_parallel_collectives(numel, world, stage=0),
-        "ZeRO-0 OneBitAdam (compressed)": cm.data_parallel_collectives(numel, world, stage=0, onebit=True),
-        "ZeRO-2 OneBitAdam (compressed)": cm.data_parallel_collectives(numel, world, stage=2, onebit=True),
+        "ZeRO-0 OneBitAdam (compressed)": cm.onebit_collectives(numel, world, stage=0, **onebit),
+        "ZeRO-0 OneBitLamb (compressed)": cm.onebit_collectives(numel, world, optimizer="OneBitLamb", stage=0,
+                                                                **onebit),
+        f"ZeRO-0 ZeroOneAdam (mean of first {horizon:,} steps)": cm.zero_one_adam_collectives(
+            numel, world, steps=horizon, **onebit, **schedule),
+        "ZeRO-0 ZeroOneAdam (phase 2, interval 16)": cm.zero_one_adam_collectives(
+            numel, world, steps=zero_one.local_step_scaler, first_step=horizon - zero_one.local_step_scaler,
+            **onebit, **schedule),
+        "ZeRO-2 AdamW": cm.data_parallel_collectives(numel, world, stage=2),
+        "ZeRO-2 OneBitAdam (compressed)": cm.onebit_collectives(numel, world, stage=2, **onebit),
+        "ZeRO-2 OneBitLamb (compressed, weight decay)": cm.onebit_collectives(
+            numel, world, optimizer="OneBitLamb", stage=2, weight_decay=True, **onebit),
     }
 
 
 def table(tokens_per_rank: int, ranks_per_node: int) -> dict:
-    numel = gpt_1_3b_params()
+    numel, tensors = gpt_1_3b_params()
     compute = tokens_per_rank / TOKENS_PER_S
     rows = []
     for world in (8, 64):
-        for name, plan in plans(numel, world, ranks_per_node).items():
+        for name, plan in plans(numel, world, ranks_per_node, tensors).items():
             node_bytes = cm.step_inter_node_bytes(plan, world=world, ranks_per_node=ranks_per_node)
             coding = cm.coding_seconds(plan, memory_gbytes_per_s=MEMORY_GBYTES_PER_S)
             times = cm.sweep(compute, plan, world=world, ranks_per_node=ranks_per_node,
@@ -64,7 +91,9 @@ def table(tokens_per_rank: int, ranks_per_node: int) -> dict:
                          "inter_node_bytes_per_node": node_bytes, "coding_s": coding,
                          "no_overlap_s": {t.gbps: t.no_overlap_s for t in times},
                          "full_overlap_s": {t.gbps: t.full_overlap_s for t in times}})
-    return {"params": numel, "tokens_per_rank": tokens_per_rank, "ranks_per_node": ranks_per_node,
+    return {"params": numel, "parameter_tensors": tensors,
+            "hpz_copies_bytes_per_rank": {w: cm.hpz_memory_bytes(numel, w, ranks_per_node) for w in (8, 64)},
+            "tokens_per_rank": tokens_per_rank, "ranks_per_node": ranks_per_node,
             "compute_s": compute, "tokens_per_s_measured": TOKENS_PER_S,
             "memory_gbytes_per_s": MEMORY_GBYTES_PER_S, "rows": rows}
 
