@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from partita.optim.fused_adam_range import adam_state
+from partita.optim.host_adamw_compiled import host_adamw_step
+
 if TYPE_CHECKING:
+    from partita.zero.shard_group import ShardedParamGroup
     from partita.zero.sharded_optimizer import ShardedOptimizer
 
 _ALIGN = 64
@@ -41,6 +45,39 @@ def can_pipeline(optimizer: ShardedOptimizer) -> bool:
         return False
     offloaded = [g for g in optimizer.groups if g.offloaded]
     return bool(offloaded) and all(_has_state(inner, g.master) for g in offloaded)
+
+
+def reads_16bit_grads(inner: torch.optim.Optimizer, g: int, group: ShardedParamGroup) -> bool:
+    """Whether offloaded group ``g`` can keep its host gradient partition in the model's 16-bit
+    dtype and be stepped by :func:`partita.optim.host_adamw_compiled.host_adamw_step`: torch's
+    fused Adam/AdamW (decoupled weight decay, or none) without amsgrad/maximize/capturable, one
+    unsharded partition (one rank: reduced gradients arrive unscaled, so 16 bits hold them exactly)."""
+    if type(inner) not in _PIPELINED_CLASSES or not group.offloaded or group.layout.num_shards != 1:
+        return False
+    if group.model_dtype not in (torch.bfloat16, torch.float16) or (group.comm is not None and group.comm.size != 1):
+        return False
+    options = inner.param_groups[g]
+    decoupled = isinstance(inner, torch.optim.AdamW) or options.get("decoupled_weight_decay", False)
+    return (bool(options.get("fused")) and not options["amsgrad"] and not options["maximize"]
+            and not options.get("capturable") and not options.get("differentiable")
+            and not isinstance(options["lr"], torch.Tensor) and (decoupled or options["weight_decay"] == 0))
+
+
+def _host_grad(optimizer: ShardedOptimizer, g: int) -> torch.Tensor | None:
+    """Group ``g``'s gradient for this step: its master's ``.grad``, or its 16-bit partition."""
+    return optimizer.grads_16bit.get(g, optimizer.groups[g].master.grad)
+
+
+@torch.no_grad()
+def step_16bit_groups(optimizer: ShardedOptimizer) -> None:
+    """Step the offloaded groups holding 16-bit gradients whole (the first step, which creates
+    their state as torch does, and any step that does not go bucket by bucket)."""
+    inner, options = optimizer.inner, snapshot_options(optimizer)
+    for g, grad in optimizer.grads_16bit.items():
+        master = optimizer.groups[g].master
+        state = adam_state(inner, master, options[g])
+        _step_range(options[g], master, grad, state, state["step"], 0, master.numel(), options[g]["_grad_scale"])
+        state["step"] += 1
 
 
 def _has_state(inner: torch.optim.Optimizer, master: torch.Tensor) -> bool:
@@ -66,7 +103,7 @@ def snapshot_options(optimizer: ShardedOptimizer) -> list[dict]:
     now: a step that runs on after ``step()`` returns must not see the LR scheduler's next rate."""
     inner = optimizer.inner
     grad_scale = getattr(inner, "grad_scale", None)
-    return [{**{k: v for k, v in group.items() if k != "params"}, "_grad_scale": grad_scale}
+    return [{**{k: v for k, v in group.items() if k != "params"}, "_grad_scale": grad_scale, "_class": type(inner)}
             for group in inner.param_groups]
 
 
@@ -75,7 +112,7 @@ def step_accelerator_groups(optimizer: ShardedOptimizer, restore_unused) -> dict
     which also runs its step hooks; returns the offloaded groups' held-back gradients."""
     inner = optimizer.inner
     offloaded = [g for g, group in enumerate(optimizer.groups) if group.offloaded]
-    held = {g: optimizer.groups[g].master.grad for g in offloaded}
+    held = {g: _host_grad(optimizer, g) for g in offloaded}
     for g in offloaded:
         optimizer.groups[g].master.grad = None  # the inner call below skips them
     inner.step()  # on-accelerator groups (ratio < 1); also runs the optimizer's step hooks
@@ -99,19 +136,19 @@ def step_offloaded_groups(optimizer: ShardedOptimizer, held: dict[int, torch.Ten
     for g in groups:
         group = optimizer.groups[g]
         grad = held[g]
-        group.master.grad = grad
+        group.master.grad = grad if grad is None or grad.dtype == group.master.dtype else None
         if grad is None:  # no gradient anywhere in the group: torch would skip it
             if write_back:
                 optimizer.write_back_group(g)
             for b in range(len(optimizer.bucket_layout(g))):
                 on_bucket is not None and on_bucket(g, b)
             continue
-        _step_group_by_bucket(optimizer, g, restore_unused, options[g], on_bucket, forward_order, write_back,
+        _step_group_by_bucket(optimizer, g, grad, restore_unused, options[g], on_bucket, forward_order, write_back,
                               before_bucket)
 
 
-def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, options: dict, on_bucket,
-                          forward_order: bool, write_back: bool = True, before_bucket=None) -> None:
+def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, grad: torch.Tensor, restore_unused, options: dict,
+                          on_bucket, forward_order: bool, write_back: bool = True, before_bucket=None) -> None:
     """Each bucket's range is stepped before the bucket is written back. In layout order a
     range ends at the bucket's end rounded up to ``_ALIGN`` (the next bucket's first elements
     are stepped with it); in forward order a range starts at the bucket's start rounded down
@@ -121,8 +158,7 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, o
     group = optimizer.groups[g]
     master, state = group.master, inner.state[group.master]
     numel = master.numel()
-    options = dict(options)
-    grad_scale = options.pop("_grad_scale")
+    grad_scale = options["_grad_scale"]
     step_before = state["step"].clone()
     buckets = list(enumerate(optimizer.bucket_layout(g)))
     if forward_order:
@@ -136,7 +172,7 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, o
                 if b > 0 and lo < bucket.partition_start:
                     before_bucket(g, b - 1)
             if hi > lo:
-                _step_range(type(inner), options, master, state, step_before, lo, hi, grad_scale)
+                _step_range(options, master, grad, state, step_before, lo, hi, grad_scale)
             restore_unused(g, lo, numel)
             if write_back:
                 optimizer.write_back_group(g, [bucket])
@@ -147,22 +183,31 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, restore_unused, o
         for b, bucket in buckets:
             end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, numel)
             if end > stepped:
-                _step_range(type(inner), options, master, state, step_before, stepped, end, grad_scale)
+                _step_range(options, master, grad, state, step_before, stepped, end, grad_scale)
                 stepped = end
             restore_unused(g, 0, stepped)
             optimizer.write_back_group(g, [bucket])
             if on_bucket is not None:
                 on_bucket(g, b)
         if stepped < numel:  # padding after the last bucket
-            _step_range(type(inner), options, master, state, step_before, stepped, numel, grad_scale)
+            _step_range(options, master, grad, state, step_before, stepped, numel, grad_scale)
     state["step"].copy_(step_before + 1)
 
 
-def _step_range(cls, options: dict, master: torch.Tensor, state: dict, step_before: torch.Tensor, lo: int, hi: int,
-                grad_scale: torch.Tensor | None) -> None:
+def _step_range(options: dict, master: torch.Tensor, grad: torch.Tensor, state: dict, step_before: torch.Tensor,
+                lo: int, hi: int, grad_scale: torch.Tensor | None) -> None:
+    """Step master elements ``[lo, hi)`` with the group's options as snapshotted: a 16-bit
+    ``grad`` by the compiled host AdamW (bit-identical to the fused kernel on its upcast), an
+    fp32 one by torch's kernel through a throw-away optimizer over a view of the range."""
+    if grad.dtype != master.dtype:
+        beta1, beta2 = options["betas"]
+        host_adamw_step(master[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi], grad[lo:hi],
+                        step=int(step_before.item()) + 1, lr=options["lr"], beta1=beta1, beta2=beta2,
+                        eps=options["eps"], weight_decay=options["weight_decay"], grad_scale=grad_scale)
+        return
     proxy = master[lo:hi]  # a view of a tensor that needs no grad: a leaf torch can optimise
-    proxy.grad = master.grad[lo:hi]
-    ranged = cls([{"params": [proxy], **options}])
+    proxy.grad = grad[lo:hi]
+    ranged = options["_class"]([{"params": [proxy], **{k: v for k, v in options.items() if not k.startswith("_")}}])
     if grad_scale is not None:
         ranged.grad_scale = grad_scale  # the step's unscale + clip, applied in the fused kernel
     ranged.state[proxy] = {

@@ -162,13 +162,18 @@ class HostTransfer:
         with torch.cuda.stream(self._stream):
             for lo in range(0, source.numel(), step):
                 hi = min(lo + step, source.numel())
-                wide = source[lo:hi].to(torch.float32)  # allocated on (and reused by) the side stream
-                if scale != 1.0:
-                    wide.mul_(scale)
-                if sum_of_squares is not None:
-                    sum_of_squares.add_(torch.dot(wide, wide))
-                target[lo:hi].copy_(wide, non_blocking=True)
-                self.bytes_down += (hi - lo) * 4
+                # A 16-bit target (the host step reads 16-bit gradients) takes the source as it is.
+                narrow = target.dtype == source.dtype and scale == 1.0
+                wide = None
+                if not narrow or sum_of_squares is not None:
+                    wide = source[lo:hi].to(torch.float32)  # allocated on (and reused by) the side stream
+                    if scale != 1.0:
+                        wide.mul_(scale)
+                    if sum_of_squares is not None:
+                        sum_of_squares.add_(torch.dot(wide, wide))
+                sent = source[lo:hi] if narrow else wide
+                target[lo:hi].copy_(sent, non_blocking=True)
+                self.bytes_down += (hi - lo) * sent.element_size()
         source.record_stream(self._stream)  # the caller may drop its reference now
         if sum_of_squares is not None:
             sum_of_squares.record_stream(self._stream)

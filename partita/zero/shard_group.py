@@ -123,6 +123,10 @@ class ShardedParamGroup:
         self.grad_partition: torch.Tensor | None = None
         # Offloaded groups: see [Note: offloaded gradient partitions] below.
         self._spare_grad_buffers: list[torch.Tensor] = []
+        # The dtype an offloaded partition starts each step in: the model's 16-bit dtype when
+        # the host step reads it directly (partita/optim/host_adamw_compiled.py; set by the
+        # ShardedOptimizer), else fp32. See [Note: 16-bit host gradient partitions].
+        self.host_grad_dtype = torch.float32
         self._first_pass = False
         self._written: list[tuple[int, int]] = []
         self._written_starts: set[int] = set()
@@ -207,12 +211,22 @@ class ShardedParamGroup:
     # whose gradient arrives twice) adds the second time. The one difference from zeros + add is
     # the sign of a zero gradient (-0.0 stays -0.0, as in torch's own param.grad).
 
+    # [Note: 16-bit host gradient partitions]
+    # With ``host_grad_dtype`` bf16/fp16 an offloaded partition holds the reduced gradients as they
+    # came (2 bytes down and 2 read by the host step instead of 4 and 4, and no fp32 write-back of
+    # the unscaled gradient). That is exact only for plain first-pass writes of that dtype with
+    # scale 1 (one rank): anything else (a second accumulating pass, an fp32 sum, a scale) first
+    # widens the partition to fp32, exactly, and goes on as before (and in fp32 from then on).
+
     def accumulate_grad(self, partition_start: int, reduced: torch.Tensor, *, scale: float) -> None:
-        """Add a reduced bucket row (this rank's slice) into the fp32 gradient partition."""
+        """Add a reduced bucket row (this rank's slice) into the gradient partition."""
         if self.host_transfer is None and scale == 1.0 and (self.grad_partition is None or self._first_pass):
             self._write_on_device(partition_start, reduced)
             return
-        target = self.ensure_grad_partition()[partition_start : partition_start + reduced.numel()]
+        target = self.ensure_grad_partition()
+        if target.dtype != torch.float32 and not (self._first_pass and scale == 1.0 and reduced.dtype == target.dtype):
+            target = self._widen_grad_partition()
+        target = target[partition_start : partition_start + reduced.numel()]
         if self.host_transfer is not None:
             # Asynchronous either way; drained after backward.
             if self._first_pass:
@@ -246,12 +260,31 @@ class ShardedParamGroup:
             if self.host_transfer is None:
                 self.grad_partition = torch.zeros_like(self.master)
             else:
-                spare = self._spare_grad_buffers
-                self.grad_partition = spare.pop() if spare else self.host_transfer.empty_host(self.master.numel())
+                self.grad_partition = self._host_grad_buffer(self.host_grad_dtype)
                 self._first_pass, self._written = True, []
                 device = self.params[0].device
                 self._sum_of_squares = torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
         return self.grad_partition
+
+    def _host_grad_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """A spare offloaded gradient buffer of ``dtype``, or a new one."""
+        spare = self._spare_grad_buffers
+        for i, buffer in enumerate(spare):
+            if buffer.dtype == dtype:
+                return spare.pop(i)
+        return self.host_transfer.empty_host(self.master.numel(), dtype)
+
+    def _widen_grad_partition(self) -> torch.Tensor:
+        """Replace a 16-bit offloaded partition by an exact fp32 copy (see the note)."""
+        self.host_transfer.drain()  # the copies already queued into the 16-bit buffer land first
+        wide = self._host_grad_buffer(torch.float32)
+        wide.copy_(self.grad_partition)
+        self.grad_partition = wide
+        # This run's gradients need fp32 (it accumulates, or is scaled): stay there, and free the
+        # 16-bit buffers, so at most two partitions exist, as without 16-bit ones.
+        self.host_grad_dtype = torch.float32
+        self._spare_grad_buffers = [b for b in self._spare_grad_buffers if b.dtype == torch.float32]
+        return wide
 
     def finish_pass(self) -> None:
         """End of a reducing backward whose host copies are drained: zero what the first pass
@@ -285,8 +318,8 @@ class ShardedParamGroup:
 
     def recycle_grad_buffer(self, grad: torch.Tensor | None) -> None:
         """A stepped offloaded gradient buffer is free for a later step (thread-safe: list ops)."""
-        if grad is not None and self.host_transfer is not None:
-            self._spare_grad_buffers.append(grad)
+        if grad is not None and self.host_transfer is not None and grad.dtype == self.host_grad_dtype:
+            self._spare_grad_buffers.append(grad)  # (a 16-bit one after widening is dropped)
 
     def zero_grad(self) -> None:
         self.recycle_grad_buffer(self.take_grad_partition())

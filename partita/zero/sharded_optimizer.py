@@ -23,7 +23,9 @@ from partita.optim.eight_bit import step_eight_bit
 from partita.optim.fused_adam_range import fused_adam_optimizer
 from partita.offload.pipelined_step import (
     can_pipeline,
+    reads_16bit_grads,
     snapshot_options,
+    step_16bit_groups,
     step_accelerator_groups,
     step_and_upload,
     step_offloaded_groups,
@@ -93,13 +95,19 @@ class ShardedOptimizer:
         self.after_write_back: list[Callable[[], None]] = []
         # ZeRO-Infinity (offload_optimizer.device "nvme"): the optimizer states of offloaded groups
         # live in swap files and are stepped sub-group by sub-group (partita/offload/nvme_optimizer.py).
-        self.swapper: SwappedOptimizerStates | None = None
+        self._swapper: SwappedOptimizerStates | None = None
         # Delayed parameter update: one background thread runs the (host) optimizer step
         # while the accelerator computes the next step; at most one update is in flight.
         self._background = ThreadPoolExecutor(1, thread_name_prefix="partita-step") if delayed_update else None
         # torch's fused Adam/AdamW take a gradient divisor (``grad_scale``): the step's unscale and
         # clip multiplier can ride along instead of a separate pass (see _apply_update).
         self._fused_adam = fused_adam_optimizer(inner)
+        # Offloaded groups whose host step reads 16-bit gradients (pipelined_step.reads_16bit_grads)
+        # keep them here for the step: a 16-bit tensor cannot be an fp32 master's ``.grad``.
+        self.grads_16bit: dict[int, torch.Tensor] = {}
+        for g, group in enumerate(groups):
+            if world_size == 1 and reads_16bit_grads(inner, g, group):
+                group.host_grad_dtype = group.model_dtype
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
         self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
         self._uploads_queued: torch.cuda.Event | None = None  # see _note_uploads_queued
@@ -125,6 +133,17 @@ class ShardedOptimizer:
         attach = getattr(inner, "attach_zero", None)
         if attach is not None:
             attach(self)
+
+    @property
+    def swapper(self) -> SwappedOptimizerStates | None:
+        return self._swapper
+
+    @swapper.setter
+    def swapper(self, swapper: SwappedOptimizerStates | None) -> None:
+        self._swapper = swapper
+        if swapper is not None:  # the swapped step reads ``master.grad``: fp32 partitions
+            for group in self.groups:
+                group.host_grad_dtype = torch.float32
 
     def count_norm_across(self, group: dist.ProcessGroup, *, uncounted_params: Collection[torch.Tensor] = (),
                           covers_tensor_group: bool = False) -> None:
@@ -294,6 +313,7 @@ class ShardedOptimizer:
         finally:
             if in_kernel:
                 del self.inner.grad_scale
+        self.grads_16bit = {}
         for group, grad in zip(self.groups, grads):
             group.master.grad = None
             group.recycle_grad_buffer(grad)
@@ -321,7 +341,12 @@ class ShardedOptimizer:
             # divided by ``grad_scale``) instead of a separate pass over the gradient partition,
             # which for a host-offloaded 1.3 B model is ~70 ms of the step.
             self.inner.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32)
-        for group, grad in zip(self.groups, grads):
+        self.grads_16bit = {}
+        for g, (group, grad) in enumerate(zip(self.groups, grads)):
+            if grad is not None and grad.dtype != group.master.dtype:  # fused AdamW: multiplier in grad_scale
+                self.grads_16bit[g] = grad
+                group.master.grad = None
+                continue
             if grad is not None and multiplier != 1.0 and not in_kernel and (scale_offloaded or not group.offloaded):
                 grad.mul_(multiplier)
             group.master.grad = grad  # None: the group got no gradient; torch skips it
@@ -360,6 +385,7 @@ class ShardedOptimizer:
                     group.master.grad = None
                     group.recycle_grad_buffer(grad)
 
+        self.grads_16bit = {}  # taken into ``held`` above
         self.overlapped.start(job)
 
     def finish_overlapped_update(self) -> None:
@@ -410,6 +436,7 @@ class ShardedOptimizer:
             step_eight_bit(self.inner)  # partitions over bitsandbytes' 32-bit limit go in chunks
         elif self.swapper is None:
             self.inner.step()
+            step_16bit_groups(self)  # first step (no state yet): whole groups at once
         else:
             self.swapper.step(self.inner, used)
         restore_unused(kept)
