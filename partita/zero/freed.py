@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["NotGatheredPlaceholder", "ParameterNotGatheredError", "ZERO3", "INIT", "ONE_RANK", "allocate_param",
-           "free_param", "is_freed", "name_params", "reason_of", "storage_sized"]
+           "free_param", "is_freed", "name_params", "reason_of", "share_values", "storage_sized"]
 
 # Why a parameter is freed (what the error message tells the user to do).
 ZERO3 = "zero3"  # sharded by ZeRO-3 between its unit's uses
@@ -97,15 +97,20 @@ class ParameterNotGatheredError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- the pair
-def free_param(param: nn.Parameter, why: str, *, fresh_storage: bool = False) -> None:
+def free_param(param: nn.Parameter, why: str, *, fresh_storage: bool = False,
+               husk: torch.Tensor | None = None) -> None:
     """Free ``param``'s values in place (see [Note: freed parameters]); already freed: only ``why``
     changes. ``fresh_storage``: move it to a new empty storage and leave the old one, values
-    intact, to whoever shares it (a state_dict entry taken while it was whole)."""
+    intact, to whoever shares it (a state_dict entry taken while it was whole). ``husk``: what
+    :func:`share_values` returned; the parameter moves back onto it (nothing allocated) and the
+    storage it shared keeps its bytes."""
     cls = type(param)
     if issubclass(cls, _Freed):
         param.__class__ = _freed_class(cls._partita_base, why)
         return
-    if fresh_storage:
+    if husk is not None:
+        param.data = husk  # the same TensorImpl, as below; the shared storage is left as it is
+    elif fresh_storage:
         fresh = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
         fresh.untyped_storage().resize_(0)
         param.data = fresh  # the same TensorImpl: autograd's saved references to it follow
@@ -131,6 +136,23 @@ def allocate_param(param: nn.Parameter) -> None:
     needed = _extent_bytes(param)
     if storage.nbytes() < needed:
         storage.resize_(needed)
+
+
+def share_values(param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+    """Make a freed ``param`` whole without allocating or copying: ``values`` (its shape, dtype and
+    device, contiguous) become its data, their storage shared (ZeRO-3 at one rank: a frozen
+    parameter's shard is its whole value, partita/zero/frozen_params.py). Returns the husk to hand
+    to ``free_param(param, why, husk=...)``: a tensor of its shape on its own 0-byte storage.
+
+    Freeing such a parameter must never resize its storage (that would empty ``values``): only
+    the husk keeps that guarantee, by moving the parameter back onto its own empty storage."""
+    with torch._C.DisableTorchFunctionSubclass():
+        husk = param.detach()  # a new TensorImpl on the empty storage: no allocation, no bounds check
+    cls = type(param)
+    if issubclass(cls, _Freed):
+        param.__class__ = cls._partita_base
+    param.data = values  # the same TensorImpl: autograd's saved references to it follow
+    return husk
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:

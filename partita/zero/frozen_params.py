@@ -18,6 +18,16 @@ them once autograd has the inputs' gradients, i.e. once the unit's own backward 
 gradient (the first block after a frozen embedding) keeps its frozen parameters whole until the
 end of backward, as DeepSpeed does; that unit's backward is the last one anyway.
 
+[Note: one rank]
+With a ZeRO group of one rank the shard is the whole parameter. A gather then makes the
+parameter share its shard's storage (freed.share_values) instead of copying it into storage of
+its own, and freeing moves it back onto its own empty storage, leaving the shard intact: a
+gathered frozen unit costs no memory. Copying (as before) held every gathered frozen unit twice,
+the root's embedding and LM head for the whole step (1 GiB each at Llama-3-8B's shape, bf16):
+DeepSpeed's world-size-1 gather (NoGatherHandle) aliases ``param.data`` to ``ds_tensor`` too.
+Values are never written through the parameter outside ``GatheredParameters``, whose edits then
+land in the shard directly (``adopt_whole`` copies nothing new).
+
 Small ones (at most ``stage3_param_persistence_threshold`` elements) are gathered once and stay
 whole, like persistent trainable ones. So are frozen expert parameters (sharded over another
 group than zero.Init's). Frozen parameters built whole (without zero.Init) stay whole on every
@@ -80,6 +90,16 @@ class FrozenShards:
     def shard(self, param: nn.Parameter) -> torch.Tensor:
         return self._shard[param]
 
+    @property
+    def shared_whole(self) -> bool:
+        """A ZeRO group of one rank: each shard is its parameter's whole value, so gathering a frozen
+        parameter points it at its shard (``whole``, see [Note: one rank]) instead of copying it."""
+        return self.comm.size == 1
+
+    def whole(self, param: nn.Parameter) -> torch.Tensor:
+        """With ``shared_whole``: the shard, viewed in the parameter's shape (no copy)."""
+        return self._shard[param][: param.numel()].view(param.shape)
+
     def fetch_into(self, out: torch.Tensor, params: Sequence[nn.Parameter]) -> None:
         column = 0
         for param in params:
@@ -91,7 +111,9 @@ class FrozenShards:
     def adopt_whole(self, param: nn.Parameter) -> None:
         """The whole (gathered) parameter's values become this rank's shard (after an edit)."""
         start, end = self._spec[param].owned_range(self.comm.rank)
-        self._shard[param][: end - start].copy_(param.detach().reshape(-1)[start:end])
+        shard = self._shard[param][: end - start]
+        if shard.data_ptr() != param.data_ptr():  # shared (see [Note: one rank]): the edit is there already
+            shard.copy_(param.detach().reshape(-1)[start:end])
 
     def owned(self) -> Iterator[tuple[nn.Parameter, ShardSpec, int, int, torch.Tensor]]:
         """``(param, spec, start, end, elements)``: the range of each parameter this rank holds."""

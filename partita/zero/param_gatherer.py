@@ -63,7 +63,7 @@ from partita.offload.config import AioConfig, OffloadParamConfig
 from partita.offload.param_offload import ShardPiece, ShardStorage, UnitPieces, build_shard_storage
 from partita.utils.weak_hooks import register_weak_grad_hook
 from partita.zero.eval_prefetch import EvalPrefetch
-from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params
+from partita.zero.freed import ZERO3, allocate_param, free_param, is_freed, name_params, share_values
 from partita.zero.frozen_params import FrozenShards, fetch_pieces
 from partita.zero.gather_state import InFlight, ParamState
 from partita.zero.gather_wire import PURPOSE, Wire, refresh_gatherer_fp8_scales, start_all_gather, wire_of
@@ -136,6 +136,7 @@ class ParameterGatherer:
         name_params(model.named_parameters(), replace=True)  # error messages name freed parameters
         self._state: dict[nn.Parameter, ParamState] = {}
         self._handed_out: set[nn.Parameter] = set()  # see hand_out_storage
+        self._husks: dict[nn.Parameter, torch.Tensor] = {}  # frozen, one rank: sharing their shards (_start_gathers)
         self._unit_params = self._assign_units(model)
         # Units holding frozen parameters: their inputs carry the hook that frees those after backward.
         self._frozen_units = {u for u, ps in self._unit_params.items() if frozen and any(p in frozen for p in ps)}
@@ -218,8 +219,8 @@ class ParameterGatherer:
         # to a new empty storage instead (the same TensorImpl, so autograd's saved references
         # follow it) and the old one, values intact, stays with the dict.
         handed_out = param in self._handed_out
-        self._handed_out.discard(param)
-        free_param(param, ZERO3, fresh_storage=handed_out)
+        self._handed_out.discard(param)  # one rank, frozen: it moves off its shard onto its husk (shard kept)
+        free_param(param, ZERO3, fresh_storage=handed_out, husk=self._husks.pop(param, None))
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
@@ -421,6 +422,10 @@ class ParameterGatherer:
         """One all-gather per process group among ``params`` (their ZeRO groups' comms: expert
         parameters gather within their expert-data group), in first-parameter order, which is
         the same on every rank."""
+        for param in [p for p in params if p not in self._where and self.frozen.shared_whole]:
+            self._transition(param, ParamState.SHARDED, ParamState.GATHERED)  # frozen, one rank: the shard is
+            self._husks[param] = share_values(param, self.frozen.whole(param))  # the value, shared (no copy)
+        params = [p for p in params if p not in self._husks]
         by_comm: dict[tuple, tuple[Any, list[nn.Parameter]]] = {}
         hpz = self.hpz if quantize else None  # a unit's gather: hpZ's copies fill in forward, serve in backward
         backward = hpz is not None and in_backward_pass()
@@ -503,8 +508,7 @@ class ParameterGatherer:
                 self._transition(param, ParamState.GATHERED, ParamState.SHARDED)
 
     def release_all(self) -> None:
-        """End of backward: finish prefetches nobody used (every rank issued them, so they
-        must complete), free every gathered parameter, and settle the first step's trace."""
+        """End of backward: land unused prefetches (every rank issued them), free all, settle the first step's trace."""
         for ticket in sorted(self._in_flight):
             self._finish_gather(ticket)
         self.release(list(self._state))
@@ -547,12 +551,10 @@ class ParameterGatherer:
     def state_of(self, param: nn.Parameter) -> ParamState | None:
         return self._state.get(param)
 
-    def is_gathered(self, param: nn.Parameter) -> bool:
-        """True for a sharded parameter that is whole right now (GATHERED)."""
+    def is_gathered(self, param: nn.Parameter) -> bool:  # a sharded parameter whole right now (GATHERED)
         return self._state.get(param) is ParamState.GATHERED
 
-    def is_sharded_param(self, param: nn.Parameter) -> bool:
-        """True for parameters that live as shards (not persistent)."""
+    def is_sharded_param(self, param: nn.Parameter) -> bool:  # lives as shards (not persistent)
         return param in self._state
 
     def wait_shard_reads(self) -> None:
@@ -576,8 +578,7 @@ class ParameterGatherer:
 
     @property
     def shards(self) -> list[torch.Tensor]:
-        """Per group, the in-memory shard tensor gathers read (with offload_param "nvme": only
-        the shards kept in CPU memory)."""
+        """Per group, the in-memory shard tensor gathers read (offload_param "nvme": those kept in CPU memory)."""
         return self.storage.shards
 
     @property
@@ -590,8 +591,7 @@ class ParameterGatherer:
         return self.storage.nbytes()
 
     def close(self) -> None:
-        """Remove the offload_param swap files and free their buffers (also done when the
-        gatherer is collected, and at exit); no gather may follow."""
+        """Remove the offload_param swap files, free their buffers (also when collected, at exit); no gather follows."""
         self.storage.close()
 
     def remove_hooks(self) -> None:
