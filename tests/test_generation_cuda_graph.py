@@ -79,6 +79,16 @@ def _log_lines(level: int):
         logger.setLevel(old)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """initialize() in this process starts a one-rank process group: later tests expect none."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def capture_on_cpu(monkeypatch):
     import partita.inference.rollouts as rollouts
