@@ -67,13 +67,12 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
 
 
 def _train(configs: list[dict]) -> list[dict]:
-    """One rank: each config twice, with the 16-bit host gradients and with today's fp32 ones."""
+    """One rank: each config as given; records how often the compiled step ran, and the dtype of
+    the host gradient partition at every step."""
     import partita
     import partita.offload.pipelined_step as pipelined
-    import partita.zero.sharded_optimizer as sharded
     from tests.tiny_models import build_model, make_batches, param_groups
 
-    eligible = sharded.reads_16bit_grads
     calls = []
     original_step = pipelined.host_adamw_step
 
@@ -84,34 +83,32 @@ def _train(configs: list[dict]) -> list[dict]:
     pipelined.host_adamw_step = counting
     out = []
     for cfg in configs:
-        for sixteen in (True, False):
-            sharded.reads_16bit_grads = eligible if sixteen else (lambda *args: False)
-            calls.clear()
-            model = build_model()
-            engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
-            gas = engine.gradient_accumulation_steps()
-            micro = engine.train_micro_batch_size_per_gpu()
-            xs, ys = make_batches(4, cfg["train_batch_size"])
-            dtypes = []
-            for step in range(4):
-                for m in range(gas):
-                    engine.backward(engine(xs[step][m * micro:(m + 1) * micro], ys[step][m * micro:(m + 1) * micro]))
-                    dtypes.append(str(optimizer.groups[0].grad_partition.dtype))
-                    engine.step()
-            engine.finish_pending_step()
-            out.append({"params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
-                        "calls": len(calls), "dtypes": dtypes})
-            engine.destroy()
-    sharded.reads_16bit_grads = eligible
+        calls.clear()
+        model = build_model()
+        engine, optimizer, _, _ = partita.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        gas = engine.gradient_accumulation_steps()
+        micro = engine.train_micro_batch_size_per_gpu()
+        xs, ys = make_batches(4, cfg["train_batch_size"])
+        dtypes = []
+        for step in range(4):
+            for m in range(gas):
+                engine.backward(engine(xs[step][m * micro:(m + 1) * micro], ys[step][m * micro:(m + 1) * micro]))
+                dtypes.append(str(optimizer.groups[0].grad_partition.dtype))
+                engine.step()
+        engine.finish_pending_step()
+        out.append({"params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+                    "calls": len(calls), "dtypes": dtypes})
+        engine.destroy()
     pipelined.host_adamw_step = original_step
     return out
 
 
 def test_offloaded_engine_steps_on_bf16_host_gradients_bit_identically() -> None:
-    offload = {"device": "cpu", "buffer_count": 2}
     cases = [(2, 1, {}), (1, 1, {}), (2, 2, {}), (2, 1, {"delayed_param_update": True}),
              (2, 1, {"overlap_step_with_forward": True})]
-    configs = [_config(stage, gas, "bf16", offload_optimizer={**offload, **extra}) for stage, gas, extra in cases]
+    configs = [_config(stage, gas, "bf16", offload_optimizer={"device": "cpu", "buffer_count": 2,
+                                                              "host_step_16bit_grads": flag, **extra})
+               for stage, gas, extra in cases for flag in (True, False)]
     results = run_distributed(_train, 1, configs)[0]
     for i, (stage, gas, extra) in enumerate(cases):
         sixteen, fp32 = results[2 * i], results[2 * i + 1]
@@ -123,3 +120,48 @@ def test_offloaded_engine_steps_on_bf16_host_gradients_bit_identically() -> None
             assert sixteen["calls"] >= 4 and set(sixteen["dtypes"]) == {"torch.bfloat16"}, (where, sixteen)
         else:  # accumulation widens the partition to fp32 once, exactly, and stays there
             assert sixteen["calls"] == 0 and sixteen["dtypes"][-1] == "torch.float32", (where, sixteen)
+
+
+def test_16bit_host_gradients_need_cpu_offload() -> None:
+    from partita.config import ConfigError, load_config
+
+    cfg = _config(2, 1, "bf16", offload_optimizer={"device": "nvme", "nvme_path": "/tmp",
+                                                   "host_step_16bit_grads": True})
+    with pytest.raises(ConfigError, match='host_step_16bit_grads .* needs offload_optimizer.device "cpu" '
+                                          r'\(got "nvme"\)'):
+        load_config(cfg)
+
+
+def _correctly_rounded(a: float, b: float, c: float) -> float:
+    """fp32(a * b + c) with one rounding (to nearest, ties to even), from exact rationals."""
+    import math
+    import struct
+    from fractions import Fraction
+
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = f32(float(exact))
+    step = 2.0 ** (math.frexp(near)[1] - 24) if near else 2.0**-149
+    candidates = {f32(near + k * step) for k in (-1, 0, 1)} | {f32(near + k * step / 2) for k in (-1, 1)}
+    return min(candidates, key=lambda x: (abs(Fraction(x) - exact), struct.unpack("I", struct.pack("f", x))[0] & 1))
+
+
+def test_emulated_fma_rounds_once_where_fp64_rounds_twice() -> None:
+    # a * b just off half an ulp of c: the fp64 sum lands exactly on an fp32 midpoint, and a
+    # plain fp64 multiply-add then rounds to the wrong neighbour (double rounding).
+    from partita.optim.host_adamw_compiled import _fma_f32
+
+    gen = torch.Generator().manual_seed(3)
+    c = (torch.rand(600, generator=gen) + 0.5) * 2.0 ** torch.randint(-6, 6, (600,), generator=gen)
+    c = c * torch.where(torch.rand(600, generator=gen) < 0.5, -1.0, 1.0)
+    half_ulp = torch.ldexp(torch.ones(600), torch.frexp(c).exponent - 25)
+    k = torch.randint(1, 9, (600,), generator=gen).float()
+    a = half_ulp * (1 + k * 2.0**-20) * torch.where(torch.rand(600, generator=gen) < 0.5, -1.0, 1.0)
+    b = 1 - k * 2.0**-20
+    got = _fma_f32(a, b, c)
+    want = torch.tensor([_correctly_rounded(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    naive = (a.double() * b.double() + c.double()).float()
+    assert (naive != want).sum() > 50  # the cases are real double roundings
+    assert torch.equal(got, want)

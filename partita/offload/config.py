@@ -112,6 +112,21 @@ class OffloadOptimizerConfig(StrictSection):
         json_schema_extra=PARTITA_KEY,
     )
 
+    host_step_16bit_grads: bool = Field(
+        False,
+        description=(
+            "partita extension: keep the offloaded gradient partition in host memory in the model's "
+            "16-bit dtype (bf16/fp16) and step it with a torch.compile'd host AdamW that reads it "
+            "directly (partita/optim/host_adamw_compiled.py): 2 bytes per gradient element down and "
+            "read instead of 4, and no fp32 write-back of the unscaled gradient; bit-identical to the "
+            "fp32 path. Needs device \"cpu\"; used with torch's fused Adam/AdamW on one data-parallel "
+            "rank, elsewhere (and for a step that accumulates micro-batches into the partition) the "
+            "fp32 partition is used. Off by default: on a 2-core host its exact FMA emulation is "
+            "compute-bound and slower than torch's fused kernel (docs/guides/offload.md)."
+        ),
+        json_schema_extra=PARTITA_KEY,
+    )
+
     check_host_memory: bool = Field(
         True,
         description=(
@@ -183,6 +198,18 @@ class OffloadOptimizerConfig(StrictSection):
                 "overlap_step_with_forward runs the host optimizer step beside the next forward and needs "
                 "offload_optimizer.device \"cpu\" (got \"{device}\"); set device \"cpu\" or remove "
                 "overlap_step_with_forward",
+                {"device": self.device},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _16bit_grads_need_cpu(self) -> OffloadOptimizerConfig:
+        if self.host_step_16bit_grads and self.device != "cpu":
+            raise PydanticCustomError(
+                "offload_16bit_grads",
+                "host_step_16bit_grads keeps the gradient partition in host memory for the host AdamW and "
+                "needs offload_optimizer.device \"cpu\" (got \"{device}\"); set device \"cpu\" or remove "
+                "host_step_16bit_grads",
                 {"device": self.device},
             )
         return self

@@ -131,6 +131,7 @@ def apply_zero(
         gradient_clipping=gradient_clipping,
         allgather_bucket_numel=config.allgather_bucket_size,
         delayed_update=offload.enabled and offload.delayed_param_update,
+        host_step_16bit_grads=offload.enabled and offload.host_step_16bit_grads,
         # Tensor parallelism: the norm also sums over the tensor axis, each replicated parameter once.
         model_parallel_group=topology.tensor_group if topology.tensor_size > 1 else None,
         uncounted_params=replicated_elsewhere(topology),

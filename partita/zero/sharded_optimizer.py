@@ -65,6 +65,7 @@ class ShardedOptimizer:
         allgather_bucket_numel: elements per all-gather when writing parameters back.
         delayed_update: apply each step's update one step late, from a background thread
             (the ZeRO-Offload paper's delayed parameter update; changes the math).
+        host_step_16bit_grads: offload_optimizer.host_step_16bit_grads (see reads_16bit_grads).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class ShardedOptimizer:
         gradient_clipping: float,
         allgather_bucket_numel: int,
         delayed_update: bool = False,
+        host_step_16bit_grads: bool = False,
         model_parallel_group: dist.ProcessGroup | None = None,
         uncounted_params: Collection[torch.Tensor] = (),
     ) -> None:
@@ -102,11 +104,10 @@ class ShardedOptimizer:
         # torch's fused Adam/AdamW take a gradient divisor (``grad_scale``): the step's unscale and
         # clip multiplier can ride along instead of a separate pass (see _apply_update).
         self._fused_adam = fused_adam_optimizer(inner)
-        # Offloaded groups whose host step reads 16-bit gradients (pipelined_step.reads_16bit_grads)
-        # keep them here for the step: a 16-bit tensor cannot be an fp32 master's ``.grad``.
+        # 16-bit host gradients of this step (a 16-bit tensor cannot be an fp32 master's ``.grad``).
         self.grads_16bit: dict[int, torch.Tensor] = {}
         for g, group in enumerate(groups):
-            if world_size == 1 and reads_16bit_grads(inner, g, group):
+            if host_step_16bit_grads and world_size == 1 and reads_16bit_grads(inner, g, group):
                 group.host_grad_dtype = group.model_dtype
         self._pending: tuple[Future, Callable[[], None] | None] | None = None
         self._eight_bit = type(inner).__module__.startswith("bitsandbytes")
