@@ -1,4 +1,4 @@
-"""Host optimizer-step kernel: torch's AdamW (fused / foreach / for-loop) vs DeepSpeed's CPU Adam.
+"""Host optimizer-step kernel: torch's AdamW (fused / foreach / for-loop), partita's compiled bf16-gradient step, DeepSpeed's CPU Adam.
 
 Why: with ZeRO-Offload the optimizer step runs on the host, so its kernel decides how much of a
 step the CPU adds. partita steps offloaded groups with ``torch.optim.AdamW(fused=True)``;
@@ -17,13 +17,20 @@ What is measured, per thread count (one subprocess each, ``OMP_NUM_THREADS`` = `
   the figure per round is the median step, per implementation the fastest clean round; the
   implementations run back to back in a rotating order each round, and fused/DeepSpeed is the
   median of per-round ratios;
-- correctness: from the same start, 3 steps with 3 different gradients; every implementation's
+- ``offload``: today's offloaded step on a bf16 model, torch fused on the fp32 copy of the gradient
+  with the unscale/clip divisor in the kernel (``grad_scale``, 1.0 here), which also writes the
+  unscaled gradient back: 32 bytes per element; ``compiled_bf16``: partita's
+  ``partita.optim.host_adamw_compiled.host_adamw_step`` reading the bf16 gradient with the same
+  divisor (torch.compile on the CPU; its compile time is reported apart): 26 bytes per element;
+- correctness: from the same start, 3 steps with 3 different gradients (bf16-representable, so
+  every implementation sees the same values); every implementation's
   result against torch fused (max abs difference, elements that differ) and against a float64
   for-loop reference (max abs error), so a difference can be told apart from an error.
 
 GB/s = 28 bytes per element per step (parameter, exp_avg, exp_avg_sq read and written, gradient
 read: 7 fp32 accesses) over the step time: the kernel is memory-bound at these sizes, so this
-says how close each one gets to the machine's bandwidth.
+says how close each one gets to the machine's bandwidth. The second table gives every
+implementation's elements per second (the bytes differ between them).
 
 Results: a JSON file under ``benchmarks/results/`` and a Markdown table on stdout (the figures go
 into that day's report, benchmarks/results/<date>-report.md, by hand, next to the end-to-end ones).
@@ -50,7 +57,7 @@ sys.path.insert(0, str(HERE))
 from common import cpu_busy_seconds, git_commit, hardware_summary, versions, wait_until_quiet  # noqa: E402
 from output_paths import output_dir, output_file  # noqa: E402
 
-IMPLS = ("fused", "foreach", "forloop", "deepspeed")
+IMPLS = ("fused", "foreach", "forloop", "offload", "compiled_bf16", "deepspeed")
 HYPER = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 BYTES_PER_ELEMENT = 28  # 7 fp32 accesses per element per step, see the module docstring
 CHECK_STEPS = 3
@@ -92,8 +99,39 @@ def make_optimizer(impl: str, param):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam([param], adamw_mode=True, **HYPER)
-    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False, fused=False)}
-    return torch.optim.AdamW([param], **HYPER, **flags[impl])
+    if impl == "compiled_bf16":
+        return CompiledBf16Step(param)
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False, fused=False),
+             "offload": dict(fused=True)}
+    opt = torch.optim.AdamW([param], **HYPER, **flags[impl])
+    if impl == "offload":
+        opt.grad_scale = torch.tensor(1.0)  # the offloaded step's unscale + clip divisor, in the kernel
+    return opt
+
+
+class CompiledBf16Step:
+    """partita's compiled host AdamW over one flat parameter, reading a bf16 copy of its gradient
+    (made once, when the gradient is set: in training it arrives in bf16)."""
+
+    def __init__(self, param) -> None:
+        import torch
+
+        self.param, self.steps = param, 0
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        self._grad, self._bf16 = None, None
+
+    def step(self) -> None:
+        import torch
+
+        from partita.optim.host_adamw_compiled import host_adamw_step
+
+        if self._grad is not self.param.grad:
+            self._grad, self._bf16 = self.param.grad, self.param.grad.to(torch.bfloat16)
+        self.steps += 1
+        beta1, beta2 = HYPER["betas"]
+        host_adamw_step(self.param.data, self.exp_avg, self.exp_avg_sq, self._bf16, step=self.steps, lr=HYPER["lr"],
+                        beta1=beta1, beta2=beta2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
+                        grad_scale=torch.tensor(1.0))
 
 
 def check_values(impl: str, start, grads, *, dtype=None):
@@ -155,7 +193,12 @@ def worker(args: argparse.Namespace) -> None:
         n = int(size)
         gen = torch.Generator().manual_seed(n)
         start = torch.randn(n, generator=gen)
-        grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(CHECK_STEPS)]
+        # bf16-representable: the compiled step reads them in bf16, the others in fp32.
+        grads = [(torch.randn(n, generator=gen) * 1e-2).bfloat16().float() for _ in range(CHECK_STEPS)]
+        if "compiled_bf16" in impls and "compile_s" not in out:
+            t0 = time.perf_counter()
+            check_values("compiled_bf16", start[:4096], [g[:4096] for g in grads[:1]])
+            out["compile_s"] = time.perf_counter() - t0  # once per process: sizes are symbolic
         entry: dict[str, Any] = {"rounds": {impl: [] for impl in impls}}
 
         # Correctness first: every implementation against fused and against float64.
@@ -221,7 +264,8 @@ def summarize(entry: dict[str, Any], *, max_foreign: float) -> dict[str, Any]:
 
 
 def render(results: list[dict[str, Any]], impls: list[str], *, max_foreign: float) -> str:
-    names = {"fused": "torch fused", "foreach": "torch foreach", "forloop": "torch for-loop", "deepspeed": "DeepSpeedCPUAdam"}
+    names = {"fused": "torch fused", "foreach": "torch foreach", "forloop": "torch for-loop", "deepspeed": "DeepSpeedCPUAdam",
+             "offload": "today's offload step", "compiled_bf16": "compiled bf16-grad"}
     head = (["threads", "elements"] + [f"{names[i]} ms" for i in impls]
             + ["fused/DS (median of rounds)", "per round", "GB/s fused / DS"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -237,6 +281,23 @@ def render(results: list[dict[str, Any]], impls: list[str], *, max_foreign: floa
             gbps = [f"{BYTES_PER_ELEMENT * int(n) / (s['best_ms'][i] * 1e6):.1f}" if i in s["best_ms"] else "-"
                     for i in ("fused", "deepspeed")]
             cells.append(" / ".join(gbps))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_rates(results: list[dict[str, Any]], impls: list[str], *, max_foreign: float) -> str:
+    """Elements stepped per second (G/s), every implementation, and compiled bf16 / today's offload."""
+    head = ["threads", "elements"] + [f"{i} Gelem/s" for i in impls]
+    both = "compiled_bf16" in impls and "offload" in impls
+    head += ["compiled_bf16 / offload speed"] if both else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for res in results:
+        for n, entry in res["sizes"].items():
+            s = summarize(entry, max_foreign=max_foreign)
+            cells = [str(res["threads"]), f"{int(n) / 2**20:g}Mi"]
+            cells += [f"{'~' if i in s['disturbed'] else ''}{int(n) / (s['best_ms'][i] * 1e6):.3f}" for i in impls]
+            if both:
+                cells.append(f"**{s['best_ms']['offload'] / s['best_ms']['compiled_bf16']:.2f}x**")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -288,6 +349,7 @@ def main() -> None:
         out.unlink()
     impls = [i for i in args.impls if all(i in next(iter(r["sizes"].values()))["rounds"] for r in results)]
     table, check = render(results, impls, max_foreign=args.max_foreign), render_check(results, impls)
+    rates = render_rates(results, impls, max_foreign=args.max_foreign)
     results_file = args.results_dir / f"cpu_adam-{started:%Y%m%dT%H%M%SZ}.json"
     meta = {
         "date": f"{started:%Y-%m-%d %H:%M} UTC",
@@ -300,7 +362,12 @@ def main() -> None:
     print()
     print(table)
     print()
+    print(rates)
+    print()
     print(check)
+    for r in results:
+        if "compile_s" in r:
+            print(f"\ncompiled_bf16: first call (compile) {r['compile_s']:.1f} s with {r['threads']} thread(s)")
     for r in results:
         if "deepspeed_error" in r:
             print(f"\nDeepSpeedCPUAdam not measured ({r['threads']} threads): {r['deepspeed_error']}")
