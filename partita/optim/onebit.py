@@ -39,7 +39,7 @@ from partita.config.base import ConfigError
 from partita.distributed import collectives
 from partita.optim.onebit_checkpoint import load_worker_errors, worker_error_entries
 from partita.optim.onebit_comm import compressed_exchange
-from partita.optim.onebit_rows import RowLayout
+from partita.optim.onebit_rows import RowLayout, take_local_gradients
 from partita.zero.unused_params import restore_unused, save_unused
 
 if TYPE_CHECKING:
@@ -149,30 +149,11 @@ class OneBitAdam(torch.optim.AdamW):
         fp32 all-reduce (norm), then per group the compressed all-to-all and all-gather."""
         sharded = self._sharded
         self._bind_reducer()
-        group_pg, world = sharded.process_group, sharded._world_size
-        grads, received = [], []
-        for group, rows in zip(sharded.groups, self.rows):
-            matrix = rows.empty()
-            for param, spec in zip(group.params, group.layout.specs):
-                received.append(param.grad is not None)
-                rows.put(matrix, spec, param.grad)
-                param.grad = None
-            grads.append(matrix)
-        # One all-reduce: the squared local norms and which parameters got a gradient anywhere.
-        packed = torch.tensor([0.0] + [float(r) for r in received], device=grads[0].device)
-        packed[0] = sum(m.square().sum() for m in grads)
-        collectives.all_reduce(packed, group=group_pg, purpose=f"{_PURPOSE}: local gradient norms")
-        values = packed.tolist()
-        norm = math.sqrt(values[0] / world) / loss_scale
+        group_pg = sharded.process_group
+        local = take_local_gradients(sharded, self.rows, loss_scale=loss_scale, clip=clip, purpose=_PURPOSE)
+        grads, norm, multiplier, used = local.matrices, local.norm, local.multiplier, local.used
         if not math.isfinite(norm):
             return False, norm
-        multiplier = 1.0 / loss_scale
-        if clip > 0:
-            multiplier *= min(1.0, clip / (norm + 1e-6))
-        used, i = [], 1
-        for group in sharded.groups:
-            used.append([v > 0 for v in values[i : i + len(group.params)]])
-            i += len(group.params)
         # Parameters no rank produced a gradient for keep their weights and states (as in the warm-up,
         # partita/zero/unused_params.py) and are left out of the compressed exchange.
         kept = save_unused(sharded.groups, self, used)

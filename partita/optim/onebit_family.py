@@ -29,7 +29,7 @@ from partita.config.base import ConfigError
 from partita.distributed import collectives
 from partita.optim.onebit_checkpoint import load_worker_errors, worker_error_entries
 from partita.optim.onebit_comm import compressed_exchange
-from partita.optim.onebit_rows import RowLayout
+from partita.optim.onebit_rows import RowLayout, take_local_gradients
 from partita.zero.unused_params import restore_unused, save_unused
 
 if TYPE_CHECKING:
@@ -201,29 +201,11 @@ class OneBitFamily(torch.optim.Optimizer):
         """One compressed step over every group; returns (applied, grad_norm)."""
         self._bind_reducer()
         sharded = self._sharded
-        grads, received = [], []
-        for group, rows in zip(sharded.groups, self.rows):
-            matrix = rows.empty()
-            for param, spec in zip(group.params, group.layout.specs):
-                received.append(param.grad is not None)
-                rows.put(matrix, spec, param.grad)
-                param.grad = None
-            grads.append(matrix)
-        # One all-reduce: the squared local norms and which parameters got a gradient anywhere.
-        packed = torch.tensor([0.0] + [float(r) for r in received], device=grads[0].device)
-        packed[0] = sum(m.square().sum() for m in grads)
-        collectives.all_reduce(packed, group=sharded.process_group, purpose=f"{self.purpose}: local gradient norms")
-        values = packed.tolist()
-        norm = math.sqrt(values[0] / sharded._world_size) / loss_scale
+        local = take_local_gradients(sharded, self.rows, loss_scale=loss_scale, clip=clip, purpose=self.purpose)
+        grads, norm, used = local.matrices, local.norm, local.used
         if not math.isfinite(norm):
             return False, norm
-        multiplier = 1.0 / loss_scale
-        if clip > 0:
-            multiplier *= min(1.0, clip / (norm + 1e-6))
-        used, i = [], 1
-        for group in sharded.groups:
-            used.append([v > 0 for v in values[i : i + len(group.params)]])
-            i += len(group.params)
+        multiplier = local.multiplier
         for grad in grads:
             grad.mul_(multiplier)
         # Parameters no rank produced a gradient for keep their weights and states (partita/zero/unused_params.py).

@@ -9,8 +9,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from partita.distributed import collectives
 
 from partita.zero.shard_group import ShardedParamGroup, pack_into_columns
 from partita.zero.partition import ShardSpec
@@ -82,3 +85,40 @@ class RowLayout:
         matrix = self.empty()
         matrix.view(-1)[: partition.numel()].copy_(partition)
         return matrix
+
+
+@dataclass
+class LocalGradients:
+    """This rank's gradients of a compressed step, packed per group, and what all ranks agree on."""
+
+    matrices: list[torch.Tensor]  # per group, the rows of its parameters' gradients (loss-scaled)
+    norm: float  # sqrt(mean over ranks of |g_r|^2) / loss_scale: an upper bound of the averaged norm
+    multiplier: float  # 1 / loss_scale, times the clipping coefficient
+    used: list[list[bool]]  # per group and parameter: whether any rank produced a gradient
+
+
+def take_local_gradients(sharded, rows: list[RowLayout], *, loss_scale: float, clip: float,
+                         purpose: str) -> LocalGradients:
+    """Move every ``param.grad`` into its group's row matrix (the grads are dropped) and agree, in one
+    fp32 all-reduce, on the squared local norms and on which parameters got a gradient anywhere."""
+    grads, received = [], []
+    for group, layout in zip(sharded.groups, rows):
+        matrix = layout.empty()
+        for param, spec in zip(group.params, group.layout.specs):
+            received.append(param.grad is not None)
+            layout.put(matrix, spec, param.grad)
+            param.grad = None
+        grads.append(matrix)
+    packed = torch.tensor([0.0] + [float(r) for r in received], device=grads[0].device)
+    packed[0] = sum(m.square().sum() for m in grads)
+    collectives.all_reduce(packed, group=sharded.process_group, purpose=f"{purpose}: local gradient norms")
+    values = packed.tolist()
+    norm = math.sqrt(values[0] / sharded._world_size) / loss_scale
+    multiplier = 1.0 / loss_scale
+    if clip > 0 and math.isfinite(norm):
+        multiplier *= min(1.0, clip / (norm + 1e-6))
+    used, i = [], 1
+    for group in sharded.groups:
+        used.append([v > 0 for v in values[i : i + len(group.params)]])
+        i += len(group.params)
+    return LocalGradients(grads, norm, multiplier, used)
