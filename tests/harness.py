@@ -23,11 +23,15 @@ applies it before it imports the test module (``fn`` travels by name, its argume
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_lib
+import signal
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -70,6 +74,9 @@ def _worker(rank: int, world_size: int, port: int, environ: dict, fn_name: tuple
     import torch
 
     torch.set_num_threads(1)
+    # On a hang the parent sends _STACK_SIGNAL: every thread's stack goes to this file (see _stacks).
+    stacks = open(_stack_file(port, rank), "w")  # noqa: SIM115 - open for the rank's life
+    faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
     results.put((rank, _READY, None))
     try:
         module, qualname = fn_name
@@ -97,6 +104,30 @@ def _worker(rank: int, world_size: int, port: int, environ: dict, fn_name: tuple
         import atexit
 
         atexit._run_exitfuncs()
+
+
+# A real-time signal nothing else uses (partita saves on SIGTERM/SIGUSR1, tests send SIGUSR1/2).
+_STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+
+def _stack_file(port: int, rank: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"partita-test-stacks-{port}-{rank}.txt")
+
+
+def _stacks(procs: list, ranks: list[int], port: int) -> str:
+    """Every thread's stack of the hung ``ranks`` (faulthandler in each, on _STACK_SIGNAL)."""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, _STACK_SIGNAL)
+    time.sleep(1.0)
+    out = []
+    for r in ranks:
+        try:
+            with open(_stack_file(port, r)) as f:
+                out.append(f"--- rank {r} stacks ---\n{f.read()}")
+        except OSError:
+            pass
+    return "\n".join(out)
 
 
 def run_distributed(
@@ -135,7 +166,8 @@ def run_distributed(
                 if len(ready) < world_size:
                     late = sorted(set(range(world_size)) - ready)
                     raise TimeoutError(f"ranks {late} of {world_size} did not start within {STARTUP_TIMEOUT_S:.0f} s")
-                raise TimeoutError(f"hang: ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+                raise TimeoutError(f"hang: ranks {missing} of {world_size} did not finish within {timeout:.0f} s\n"
+                                   + _stacks(procs, missing, port))
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue_lib.Empty:
@@ -160,6 +192,9 @@ def run_distributed(
                 p.kill()
                 p.join()
         del store  # only now: a rank may read the store until it exits
+        for r in range(world_size):
+            with contextlib.suppress(OSError):
+                os.remove(_stack_file(port, r))
     failures = [(r, v) for r, (ok, v) in sorted(outcome.items()) if not ok]
     if failures:
         detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
