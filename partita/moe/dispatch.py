@@ -68,26 +68,38 @@ def agree_capacity(capacity: int, group, device: torch.device) -> int:
 
 def capacity_dispatch(x: torch.Tensor, routing: Routing, experts: Experts, *, capacity: int, ep_size: int,
                       group) -> torch.Tensor:
-    """Capacity mode: ``x`` ``(S, hidden)`` -> combined expert outputs ``(S, hidden)``."""
+    """Capacity mode: ``x`` ``(S, hidden)`` -> combined expert outputs ``(S, hidden)``.
+
+    No host synchronisation: selecting the kept (token, choice) pairs with a boolean mask needs
+    their count on the host (a ``nonzero`` per index, four per layer forward, each draining an
+    accelerator's launch queue). Instead every pair is routed, and a dropped one goes to one
+    extra "dump" row after the ``E * capacity`` slots, which the experts never see, and comes
+    back as an exact zero. On the kept pairs the sums are the masked version's, in the same
+    order (tests/test_moe_dispatch_sync_free.py)."""
     S, k = routing.experts.shape
     E = routing.num_experts
     n_local = E // ep_size
     hidden = x.shape[1]
-    kept = routing.kept & (routing.slots < capacity)  # the agreed capacity is never below the local one
-    tokens = torch.arange(S, device=x.device).unsqueeze(1).expand(S, k)[kept]
-    dest = routing.experts[kept] * capacity + routing.slots[kept]
-    buffer = x.new_zeros(E * capacity, hidden).index_add(0, dest, x[tokens])
+    slots_total = E * capacity
+    kept = (routing.kept & (routing.slots < capacity)).reshape(-1)  # the agreed capacity is never below the local one
+    tokens = torch.arange(S, device=x.device).repeat_interleave(k)  # (S * k,), row-major over (token, choice)
+    dest = torch.where(kept, routing.experts.reshape(-1) * capacity + routing.slots.reshape(-1), slots_total)
+    buffer = x.new_zeros(slots_total + 1, hidden).index_add(0, dest, x[tokens])[:slots_total]
     if ep_size > 1:
         # Chunk r of the E axis belongs to expert rank r; what arrives is (source rank, local expert, slot).
         received = all_to_all(buffer, group)
         local_in = received.view(ep_size, n_local, capacity, hidden).transpose(0, 1).reshape(n_local, ep_size * capacity, hidden)
         local_out = experts.forward_padded(local_in)
-        back = local_out.view(n_local, ep_size, capacity, hidden).transpose(0, 1).reshape(E * capacity, hidden)
+        back = local_out.view(n_local, ep_size, capacity, hidden).transpose(0, 1).reshape(slots_total, hidden)
         out_buffer = all_to_all(back, group)
     else:
-        out_buffer = experts.forward_padded(buffer.view(E, capacity, hidden)).reshape(E * capacity, hidden)
-    weights = routing.weights[kept].to(x.dtype).unsqueeze(1)
-    return x.new_zeros(S, hidden).index_add(0, tokens, out_buffer[dest] * weights)
+        out_buffer = experts.forward_padded(buffer.view(E, capacity, hidden)).reshape(slots_total, hidden)
+    # A dropped pair reads slot 0 (any real slot) and is zeroed by where(), not by its weight: a
+    # non-finite expert output must not leak into a token that never went to that expert.
+    rows = out_buffer.index_select(0, torch.where(kept, dest, 0))
+    weights = routing.weights.reshape(-1).to(x.dtype).unsqueeze(1)
+    contributions = torch.where(kept.unsqueeze(1), rows * weights, rows.new_zeros(()))
+    return x.new_zeros(S, hidden).index_add(0, tokens, contributions)
 
 
 def dropless_dispatch(x: torch.Tensor, routing: Routing, experts: Experts, *, ep_size: int, group) -> torch.Tensor:

@@ -104,6 +104,13 @@ def _gumbel(shape: torch.Size, device: torch.device, generator: torch.Generator 
     return -torch.log(-torch.log(uniform))
 
 
+def _one_hot(index: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``F.one_hot(index, num_classes)`` without its range check, which reads the index's min and
+    max on the host (a synchronisation per gate on an accelerator); argmax indices are in range."""
+    return torch.zeros(index.shape[0], num_classes, dtype=torch.int64, device=index.device).scatter_(
+        1, index.unsqueeze(1), 1)
+
+
 def _positional_slots(mask: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
     """Per (token, expert): the assignment's position among the expert's assignments, in token order."""
     slots = torch.cumsum(mask.long(), dim=0) - 1
@@ -125,7 +132,7 @@ def top1_gating(
     S, E = gates.shape
     chooser = logits + _gumbel(logits.shape, logits.device, generator) if noisy_gate_policy == "RSample" else gates
     index = torch.argmax(chooser, dim=1)
-    mask = F.one_hot(index, E)
+    mask = _one_hot(index, E)
     exp_counts = mask.sum(dim=0).detach()
     l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * E
     if drop_tokens:
@@ -165,10 +172,10 @@ def top2_gating(
     gates = F.softmax(logits, dim=1)
     S, E = gates.shape
     index1 = torch.argmax(gates, dim=1)
-    mask1 = F.one_hot(index1, E)
+    mask1 = _one_hot(index1, E)
     chooser = logits + _gumbel(logits.shape, logits.device, generator) if top2_2nd_expert_sampling else logits
     index2 = torch.argmax(chooser.masked_fill(mask1.bool(), float("-inf")), dim=1)
-    mask2 = F.one_hot(index2, E)
+    mask2 = _one_hot(index2, E)
     slot1 = _positional_slots(mask1)
     # Second choices queue behind every first choice of the same expert.
     slot2 = _positional_slots(mask2, mask1.sum(dim=0, keepdim=True))
