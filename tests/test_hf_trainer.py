@@ -148,7 +148,8 @@ def test_partita_trainer_zero3_matches_a_plain_torch_loop(tmp_path) -> None:
     for got, want in zip(r0["norms"], ref_norms):
         assert abs(got - want) < 1e-4 * abs(want), (r0["norms"], ref_norms)
     assert r0["losses"][-1] < r0["losses"][0] - 0.05  # it learns
-    assert r0["lrs"][0] == pytest.approx(LR * (steps - 1) / steps)  # the Trainer's linear schedule, stepped once
+    # The Trainer's linear schedule: each log has the rate its update used, as the plain Trainer logs it.
+    assert r0["lrs"][:2] == pytest.approx([LR, LR * (steps - 1) / steps]), r0["lrs"]
     saved = GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
     for name, tensor in saved.state_dict().items():
         want = ref_weights[name]

@@ -205,7 +205,10 @@ class PartitaTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(engine, inputs)  # the micro-batch's mean; the engine divides by accumulation
         engine.backward(loss)
+        boundary_lrs = engine.get_lr() if engine.is_gradient_accumulation_boundary() else None
         engine.step()
+        if boundary_lrs is not None and isinstance(self.lr_scheduler, _EngineScheduler):
+            self.lr_scheduler.hold(boundary_lrs)
         return loss.detach() / engine.gradient_accumulation_steps()
 
     def _clip_grad_norm(self, model: Any) -> float | None:
@@ -366,13 +369,22 @@ class _EngineOptimizer:
 
 
 class _EngineScheduler:
-    """The Trainer's view of the schedule the engine steps at each applied update."""
+    """The Trainer's view of the schedule the engine steps at each applied update.
+
+    The engine steps its schedule inside ``engine.step()``, before the Trainer's loop reads
+    ``get_last_lr()`` for the step's log ("get learning rate before update") and calls ``step()``.
+    So ``training_step`` holds the rates the update used (:meth:`hold`) and this view answers them
+    until the Trainer's ``step()``, as a plain Trainer's scheduler would; then the engine's current ones."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
+        self._held: list[float] | None = None
+
+    def hold(self, lrs: list[float]) -> None:
+        self._held = list(lrs)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        self._held = None
 
     def get_last_lr(self) -> list[float]:
-        return self._engine.get_lr()
+        return list(self._held) if self._held is not None else self._engine.get_lr()
