@@ -178,9 +178,11 @@ def test_a_failed_overlapped_host_step_raises_at_the_next_forward() -> None:
 def test_overlap_refusals_name_the_fix() -> None:
     from partita.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match='overlap_step_with_forward .* needs offload_optimizer.device "cpu" '
-                                          '\\(got "nvme"\\)'):
-        load_config(_config(2, 1, **_overlap(True, device="nvme", nvme_path="/tmp")))
+    with pytest.raises(ConfigError, match='overlap_step_with_forward .* needs offload_optimizer.device "cpu", '
+                                          '"nvme" or "auto" \\(got "none"\\)'):
+        load_config(_config(2, 1, **_overlap(True, device="none")))
+    # NVMe and tiered layouts overlap too (tests/test_tiered_overlap.py).
+    assert load_config(_config(2, 1, **_overlap(True, device="nvme", nvme_path="/tmp"))).zero_optimization.offload_optimizer.overlap_step_with_forward
 
 
 def stage_three(_: None) -> str:

@@ -47,6 +47,11 @@ def normalized_offload(offload: OffloadOptimizerConfig, fractions: tuple[float, 
                 "delayed_param_update has no host step to overlap; remove delayed_param_update, or fix a share "
                 "off the accelerator with ratio or tiers.fractions"
             )
+        if raw.get("overlap_step_with_forward"):
+            # No host step to overlap: the flag has nothing to do, unlike the delayed update's math.
+            logger.info("offload_optimizer.device \"auto\" put the whole optimizer state on the accelerator; "
+                        "overlap_step_with_forward has no offloaded step to overlap and is off")
+            raw["overlap_step_with_forward"] = False
         return OffloadOptimizerConfig.model_validate({**raw, "device": "none"})
     # ratio = the offload tier's own share, so split_by_tier compares against the same float
     # (0 + share) whichever way the split is written.

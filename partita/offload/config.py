@@ -99,15 +99,16 @@ class OffloadOptimizerConfig(StrictSection):
         False,
         description=(
             "partita extension: the exact (not delayed) offloaded step returns once the gradient norm "
-            "is known; the host steps the partition bucket by bucket on a worker thread while the next "
-            "forward runs, each module's forward waiting only for the buckets of its own parameters. "
-            "The same update bit for bit; between step() and the next forward, parameters read "
-            "directly may be one update old (engine.finish_pending_step() lands it). Needs device "
-            "\"cpu\", ZeRO stage 1 or 2, torch's Adam/AdamW, and a model whose modules use only their "
-            "own parameters before their own forward; used where the offloaded partition is not "
-            "sharded (one data-parallel rank), elsewhere the plain pipelined step runs. With "
-            "delayed_param_update, the delayed update lands beside the next forward the same way "
-            "instead of before it. Off by default."
+            "is known; a worker thread steps the offloaded partition bucket by bucket in the forward's order "
+            "while the next forward runs, each module's forward waiting only for the buckets of its own "
+            "parameters. With device \"nvme\" or \"auto\" (tiers) the NVMe groups' sub-groups are stepped there "
+            "too, their reads ahead and writes behind on the disk while host buckets step. The same update bit "
+            "for bit; between step() and the next forward, parameters read directly may be one update old "
+            "(engine.finish_pending_step() lands it). Needs device \"cpu\", \"nvme\" or \"auto\", ZeRO stage 1 "
+            "or 2, torch's Adam/AdamW, and a model whose modules use only their own parameters before their "
+            "own forward; used where the offloaded partition is not sharded (one data-parallel rank), "
+            "elsewhere the plain step runs. With delayed_param_update (device \"cpu\"), the delayed update lands "
+            "beside the next forward the same way instead of before it. Off by default."
         ),
         json_schema_extra=PARTITA_KEY,
     )
@@ -189,16 +190,15 @@ class OffloadOptimizerConfig(StrictSection):
         return self
 
     @model_validator(mode="after")
-    def _overlap_needs_cpu_exact(self) -> OffloadOptimizerConfig:
+    def _overlap_needs_offload(self) -> OffloadOptimizerConfig:
         if not self.overlap_step_with_forward:
             return self
-        if self.device != "cpu":
+        if self.device == "none":
             raise PydanticCustomError(
                 "offload_overlap",
-                "overlap_step_with_forward runs the host optimizer step beside the next forward and needs "
-                "offload_optimizer.device \"cpu\" (got \"{device}\"); set device \"cpu\" or remove "
+                "overlap_step_with_forward runs the offloaded optimizer step beside the next forward and needs "
+                "offload_optimizer.device \"cpu\", \"nvme\" or \"auto\" (got \"none\"); set one of them or remove "
                 "overlap_step_with_forward",
-                {"device": self.device},
             )
         return self
 

@@ -50,10 +50,8 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import time
-import weakref
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,7 +60,13 @@ from partita.config.base import ConfigError
 from partita.offload.buffer_pool import PinnedBufferPool
 from partita.offload.config import AioConfig, OffloadOptimizerConfig
 from partita.offload.errors import BufferPoolError, NvmeSwapError
+from partita.offload.finalizers import Closer
 from partita.offload.nvme import NvmeSwapStore
+from partita.offload.nvme_ranges import Range as _Range
+from partita.offload.nvme_ranges import Slot as _Slot
+from partita.offload.nvme_ranges import cut as _cut
+from partita.offload.nvme_ranges import probe_state as _probe_state
+from partita.offload.nvme_pass import SwapPass
 from partita.offload.swap_stats import SwapStepStats
 from partita.optim.lion import Lion
 
@@ -79,62 +83,6 @@ SWAPPABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 _STORE_IDS = itertools.count()  # one swap directory per engine in a process (tags must differ)
-
-
-@dataclass(frozen=True)
-class _StateSpec:
-    """The state one group's optimizer keeps per parameter, found by a probe step."""
-
-    order: tuple[str, ...]  # every state key, in the order torch creates them
-    swapped: dict[str, torch.dtype]  # keys shaped like the parameter -> dtype (these go to disk)
-
-
-@dataclass
-class _Range:
-    """One sub-group: elements ``[lo, hi)`` of group ``group``'s master partition."""
-
-    group: int
-    index: int
-    lo: int
-    hi: int
-    view: torch.Tensor  # master[lo:hi]: the proxy's parameter
-    proxy: torch.optim.Optimizer
-    swap_keys: dict[str, str]  # state key -> swap-file key
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass
-class _Slot:
-    """The pool buffers holding one range's states while it is read, stepped and written."""
-
-    unit: _Range
-    buffers: list[torch.Tensor]  # pool buffers to release
-    tensors: dict[str, torch.Tensor]  # state key -> a view of one buffer, ``unit.numel`` elements
-    reads: list[cf.Future] = field(default_factory=list)
-    writes: list[cf.Future] = field(default_factory=list)
-    read_bytes: int = 0  # state bytes its reads bring in (0 before a group's first step)
-
-
-def _probe_state(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> _StateSpec:
-    """Step ``cls`` once on a 2-element tensor with ``options`` and see which state it keeps.
-
-    Two elements, so a per-parameter tensor (shape ``(2,)``) is told apart from scalars
-    (``step`` has shape ``()``). The keys depend on the options (``amsgrad``, SGD ``momentum``).
-    """
-    probe = torch.zeros(2, dtype=torch.float32)
-    probe.grad = torch.zeros_like(probe)
-    optimizer = cls([{**options, "params": [probe]}])
-    optimizer.step()
-    state = optimizer.state[probe]
-    swapped = {k: v.dtype for k, v in state.items() if torch.is_tensor(v) and v.shape == probe.shape}
-    return _StateSpec(order=tuple(state), swapped=swapped)
-
-
-def _cut(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + sub_group_size, numel)) for lo in range(0, numel, sub_group_size)]
 
 
 def _close(tail: cf.ThreadPoolExecutor, store: NvmeSwapStore, pool: PinnedBufferPool) -> None:
@@ -186,6 +134,12 @@ class SwappedOptimizerStates:
         )
         self.pipeline_read = bool(offload.pipeline_read)
         self.pipeline_write = bool(offload.pipeline_write)
+        # overlap_step_with_forward: ranges in the forward's order (last first), so the first
+        # modules' weights are stepped first; also for the unoverlapped first step, so the
+        # read-ahead it leaves is the next (overlapped) step's first ranges.
+        self.forward_order = bool(offload.overlap_step_with_forward)
+        # The overlapped step's order across groups (partita/offload/overlapped_update.py sets it).
+        self.unit_order: Callable[[_Range], Any] | None = None
         self.sub_group_size = int(sub_group_size)
         self._specs = {g: _probe_state(cls, self._options(inner, g)) for g in self.swapped_groups}
         # A group's files hold valid state only after its first applied step (or a load).
@@ -231,8 +185,10 @@ class SwappedOptimizerStates:
         except BaseException:
             self.store.close()
             raise
-        # Remove the swap files when the optimizer goes away (the store also does at exit).
-        self._finalizer = weakref.finalize(self, _close, self._tail, self.store, self.pool)
+        # Remove the swap files when the optimizer goes away (the store also does at exit); when the
+        # garbage collector finds it on another thread, the close runs on a thread of its own
+        # (partita/offload/finalizers.py: that thread may be one of the store's own).
+        self._finalizer = Closer(self, _close, self._tail, self.store, self.pool)
 
     # ---- setup -----------------------------------------------------------------------------
     @staticmethod
@@ -284,32 +240,40 @@ class SwappedOptimizerStates:
         states of those that did not are kept (their master weights are restored by the caller,
         partita.zero.unused_params.restore_unused), as the in-memory path does.
         """
-        started, io_before = time.perf_counter(), self.store.io_counters()
-        stats = SwapStepStats()
-        units = [u for g in self.swapped_groups if self.groups[g].master.grad is not None for u in self._ranges[g]]
-        try:
-            self._join_tail()  # the previous step's last writes: done before any file is read again
-            behind = self._run(inner, units, used, stats)
-        finally:
-            for g in self.swapped_groups:
-                self.groups[g].master.grad = None
-        for g in {u.group for u in units}:
-            self._initialised[g] = True
-        stats.deferred = len(behind)
-        stats.seconds = time.perf_counter() - started
-        stats.io = self.store.io_counters() - io_before
-        self.last_step = stats
-        self.totals.add(stats)
-        if behind:
-            # The last ranges' writes land, and then the next step's first ranges are read, on a
-            # helper thread while the caller uploads the weights and runs the next forward/backward.
-            self._tail_future = self._tail.submit(self._finish_tail, behind, units)
-        else:
-            self._prefetch(units)
+        walk = self.begin_step(inner, used)
+        while walk.advance() is not None:
+            pass
+        walk.end()
         # The swapped groups have no .grad now, so torch skips them; any other group (the
         # on-device part under offload_optimizer.ratio < 1) steps as usual. Called even when
         # nothing is left: LR schedulers and step hooks expect the inner optimizer to step.
         inner.step()
+
+    def begin_step(self, inner: torch.optim.Optimizer, used: list[list[bool]],
+                   options: list[dict[str, Any]] | None = None) -> SwapPass:
+        """Start stepping the swapped groups that have a gradient, one range per
+        :meth:`SwapPass.advance`, then :meth:`SwapPass.end`. ``options``: every group's options as
+        taken when the step was decided (``pipelined_step.snapshot_options``, for a step that runs
+        on after ``step()`` returned); None: the inner optimizer's current ones."""
+        units = [u for g in self.swapped_groups if self.groups[g].master.grad is not None for u in self._ranges[g]]
+        if self.unit_order is not None:
+            units.sort(key=self.unit_order)  # ranges are independent (element-wise): exact in any order
+        elif self.forward_order:
+            units.reverse()
+        try:
+            self._join_tail()  # the previous step's last writes: done before any file is read again
+            return SwapPass(self, inner, units, used, options)
+        except BaseException:
+            self._clear_grads()
+            raise
+
+    def has_state(self, g: int) -> bool:
+        """Whether swapped group ``g``'s files hold its optimizer state (after its first applied step or a load)."""
+        return self._initialised[g]
+
+    def _clear_grads(self) -> None:
+        for g in self.swapped_groups:
+            self.groups[g].master.grad = None
 
     def drain(self) -> None:
         """Wait for the writes a step left in flight (``pipeline_write``) and for the prefetch
@@ -331,44 +295,6 @@ class SwappedOptimizerStates:
                 self._release(slot)
             raise
         self._prefetch(units)
-
-    def _run(
-        self, inner: torch.optim.Optimizer, units: list[_Range], used: list[list[bool]], stats: SwapStepStats
-    ) -> deque[_Slot]:
-        """Read, step and write ``units``; returns the slots whose writes are still in flight (the
-        last ranges, with ``pipeline_write``), for :meth:`_finish_tail`."""
-        behind: deque[_Slot] = deque()  # stepped ranges whose writes may still be in flight
-        ready = self._take_prefetched(units)  # opened slots of units[i], units[i+1], ... (reads started)
-        stats.prefetched = len(ready)
-        current: _Slot | None = None
-        try:
-            for i, unit in enumerate(units):
-                current = ready.popleft() if ready else self._open_slot(unit, behind, stats)
-                if self.pipeline_read and i + 1 < len(units) and not ready:
-                    ready.append(self._open_slot(units[i + 1], behind, stats))  # its reads overlap this range's step
-                t0 = time.perf_counter()
-                self._finish(current.reads)
-                t1 = time.perf_counter()
-                self._step_range(inner, current, used)
-                stats.read_wait_s += t1 - t0
-                stats.compute_s += time.perf_counter() - t1
-                stats.bytes_read += current.read_bytes
-                stats.ranges += 1
-                for state_key, key in unit.swap_keys.items():
-                    current.writes.append(self.store.write(key, current.tensors[state_key]))
-                    stats.bytes_written += current.tensors[state_key].nbytes
-                slot, current = current, None
-                if self.pipeline_write:
-                    behind.append(slot)  # written while the next range steps
-                else:
-                    self._retire(slot, stats)
-            return behind
-        except BaseException:
-            # Wait for every operation still using a buffer, then give the buffers back.
-            for slot in [s for s in (current,) if s is not None] + list(ready) + list(behind):
-                cf.wait(slot.reads + slot.writes)
-                self._release(slot)
-            raise
 
     def _open_slot(self, unit: _Range, behind: deque[_Slot], stats: SwapStepStats | None) -> _Slot:
         """Take buffers for ``unit``'s states (waiting for earlier writes to free some) and start
@@ -438,14 +364,17 @@ class SwappedOptimizerStates:
             cf.wait(slot.reads)
             self._release(slot)
 
-    def _step_range(self, inner: torch.optim.Optimizer, slot: _Slot, used: list[list[bool]]) -> None:
+    def _step_range(self, inner: torch.optim.Optimizer, slot: _Slot, used: list[list[bool]],
+                    options: list[dict[str, Any]] | None = None) -> None:
         unit = slot.unit
         group = self.groups[unit.group]
         initialised = self._initialised[unit.group]
         proxy_group = unit.proxy.param_groups[0]
-        for key, value in inner.param_groups[unit.group].items():
-            if key != "params":
-                proxy_group[key] = value  # lr, betas, weight_decay ... as the scheduler set them
+        # lr, betas, weight_decay ... as the scheduler set them (or as snapshotted for this step).
+        source = inner.param_groups[unit.group] if options is None else options[unit.group]
+        for key, value in source.items():
+            if key != "params" and not key.startswith("_"):
+                proxy_group[key] = value
         state = unit.proxy.state[unit.view]
         if initialised:
             state.update(slot.tensors)
@@ -459,7 +388,7 @@ class SwappedOptimizerStates:
                     kept += [(t[lo - unit.lo : hi - unit.lo], t[lo - unit.lo : hi - unit.lo].clone()) for t in slot.tensors.values()]
         unit.view.grad = group.master.grad[unit.lo : unit.hi]
         # The step's unscale + clip when the fused kernel applies it (ShardedOptimizer._apply_update).
-        unit.proxy.grad_scale = getattr(inner, "grad_scale", None)
+        unit.proxy.grad_scale = getattr(inner, "grad_scale", None) if options is None else options[unit.group]["_grad_scale"]
         try:
             unit.proxy.step()
         finally:

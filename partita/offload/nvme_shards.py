@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ import torch
 from partita.config.base import ConfigError
 from partita.offload.buffer_pool import BUFFER_ALIGNMENT, PinnedBufferPool
 from partita.offload.config import AioConfig, OffloadParamConfig
+from partita.offload.finalizers import Closer
 from partita.offload.nvme import NvmeSwapStore
 from partita.offload.page_locked import PageLockedHost
 from partita.offload.shard_storage import LOCATIONS, ShardPiece, ShardStorage, UnitPieces
@@ -89,7 +89,8 @@ class NvmeShards(ShardStorage):
             raise
         # Pool buffers whose host-to-device copy may still run: released once its event fired.
         self._pending: deque[tuple[Any, torch.Tensor]] = deque()
-        self._finalizer = weakref.finalize(self, _close_nvme, self.store, self.pool)
+        # Collected on another thread: closed on a thread of its own (partita/offload/finalizers.py).
+        self._finalizer = Closer(self, _close_nvme, self.store, self.pool)
         self.refresh()  # the initial values, in memory and on disk
 
     def _check_buffer_size(self, units: Sequence[UnitPieces]) -> None:

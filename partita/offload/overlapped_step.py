@@ -64,6 +64,15 @@ class OverlappedStep:
                 optimizer.refine_write_back_buckets(g, OVERLAP_BUCKET_NUMEL)
         bucket_of = _bucket_of_param(optimizer)
         self._keys: list[BucketKey] = sorted({key for keys in bucket_of.values() for key in keys})
+        # Each bucket's place in the forward: the earliest registration index of its parameters
+        # (the worker steps the lowest first, across groups: partita/offload/overlapped_update.py).
+        order = {id(p): i for i, p in enumerate(module.parameters())}
+        self.bucket_rank: dict[BucketKey, int] = {}
+        for g, group in enumerate(optimizer.groups):
+            if group.offloaded:
+                for b, bucket in enumerate(optimizer.bucket_layout(g)):
+                    ranks = [order.get(id(group.params[s.index]), len(order)) for s in group.layout.specs[bucket.first : bucket.last]]
+                    self.bucket_rank[(g, b)] = min(ranks, default=len(order))
         self._hooks = []
         for waiter, params in _waiting_modules(module):
             keys = sorted({key for p in params for key in bucket_of.get(id(p), ())})

@@ -151,9 +151,44 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, grad: torch.Tenso
                           on_bucket, forward_order: bool, write_back: bool = True, before_bucket=None) -> None:
     """Each bucket's range is stepped before the bucket is written back. In layout order a
     range ends at the bucket's end rounded up to ``_ALIGN`` (the next bucket's first elements
-    are stepped with it); in forward order a range starts at the bucket's start rounded down
-    (the previous bucket's last elements are stepped with it), so each bucket is whole when
-    it goes up either way."""
+    are stepped with it); in forward order see :func:`forward_bucket_steps`."""
+    if forward_order:
+        steps, done = forward_bucket_steps(optimizer, g, grad, restore_unused, options, on_bucket,
+                                           write_back=write_back, before_bucket=before_bucket)
+        for _, run in steps:
+            run()
+        done()
+        return
+    inner = optimizer.inner
+    group = optimizer.groups[g]
+    master, state = group.master, inner.state[group.master]
+    numel = master.numel()
+    grad_scale = options["_grad_scale"]
+    step_before = state["step"].clone()
+    stepped = 0
+    for b, bucket in enumerate(optimizer.bucket_layout(g)):
+        end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, numel)
+        if end > stepped:
+            _step_range(options, master, grad, state, step_before, stepped, end, grad_scale)
+            stepped = end
+        restore_unused(g, 0, stepped)
+        optimizer.write_back_group(g, [bucket])
+        if on_bucket is not None:
+            on_bucket(g, b)
+    if stepped < numel:  # padding after the last bucket
+        _step_range(options, master, grad, state, step_before, stepped, numel, grad_scale)
+    state["step"].copy_(step_before + 1)
+
+
+def forward_bucket_steps(optimizer: ShardedOptimizer, g: int, grad: torch.Tensor, restore_unused, options: dict,
+                         on_bucket, *, write_back: bool = True, before_bucket=None):
+    """Offloaded group ``g``'s step in the forward's order (last bucket first), as separate
+    calls: ``([(b, run), ...], done)``; each ``run()`` steps bucket ``b``'s range and writes
+    the bucket back, ``done()`` (after the last) counts the step. Separate calls so that the
+    overlapped step can interleave several groups' buckets (partita/offload/tiered_overlap.py).
+
+    A range starts at its bucket's start rounded down to ``_ALIGN`` (the previous bucket's last
+    elements are stepped with it), so each bucket is whole when it goes up."""
     inner = optimizer.inner
     group = optimizer.groups[g]
     master, state = group.master, inner.state[group.master]
@@ -161,37 +196,30 @@ def _step_group_by_bucket(optimizer: ShardedOptimizer, g: int, grad: torch.Tenso
     grad_scale = options["_grad_scale"]
     step_before = state["step"].clone()
     buckets = list(enumerate(optimizer.bucket_layout(g)))
-    if forward_order:
-        starts = [0] + [bucket.partition_start // _ALIGN * _ALIGN for _, bucket in buckets[1:]]
-        ends = starts[1:] + [numel]
-        for (b, bucket), lo, hi in reversed(list(zip(buckets, starts, ends))):
-            if before_bucket is not None:
-                # The range reaches into the previous (later-stepped) bucket's first elements
-                # only up to the rounding: wait for both buckets it touches.
-                before_bucket(g, b)
-                if b > 0 and lo < bucket.partition_start:
-                    before_bucket(g, b - 1)
-            if hi > lo:
-                _step_range(options, master, grad, state, step_before, lo, hi, grad_scale)
-            restore_unused(g, lo, numel)
-            if write_back:
-                optimizer.write_back_group(g, [bucket])
-            if on_bucket is not None:
-                on_bucket(g, b)
-    else:
-        stepped = 0
-        for b, bucket in buckets:
-            end = min(-(-bucket.partition_end // _ALIGN) * _ALIGN, numel)
-            if end > stepped:
-                _step_range(options, master, grad, state, step_before, stepped, end, grad_scale)
-                stepped = end
-            restore_unused(g, 0, stepped)
+    starts = [0] + [bucket.partition_start // _ALIGN * _ALIGN for _, bucket in buckets[1:]]
+    ends = starts[1:] + [numel]
+
+    def run(b: int, bucket, lo: int, hi: int) -> None:
+        if before_bucket is not None:
+            # The range reaches into the previous (later-stepped) bucket's first elements
+            # only up to the rounding: wait for both buckets it touches.
+            before_bucket(g, b)
+            if b > 0 and lo < bucket.partition_start:
+                before_bucket(g, b - 1)
+        if hi > lo:
+            _step_range(options, master, grad, state, step_before, lo, hi, grad_scale)
+        restore_unused(g, lo, numel)
+        if write_back:
             optimizer.write_back_group(g, [bucket])
-            if on_bucket is not None:
-                on_bucket(g, b)
-        if stepped < numel:  # padding after the last bucket
-            _step_range(options, master, grad, state, step_before, stepped, numel, grad_scale)
-    state["step"].copy_(step_before + 1)
+        if on_bucket is not None:
+            on_bucket(g, b)
+
+    def done() -> None:
+        state["step"].copy_(step_before + 1)
+
+    steps = [(b, lambda b=b, bucket=bucket, lo=lo, hi=hi: run(b, bucket, lo, hi))
+             for (b, bucket), lo, hi in reversed(list(zip(buckets, starts, ends)))]
+    return steps, done
 
 
 def _step_range(options: dict, master: torch.Tensor, grad: torch.Tensor, state: dict, step_before: torch.Tensor,

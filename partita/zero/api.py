@@ -142,6 +142,12 @@ def apply_zero(
             "gathers each parameter from its shard at use, so there is no written-back bucket to wait for; "
             "use stage 2, or remove overlap_step_with_forward"
         )
+    if offload.overlap_step_with_forward and type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.overlap_step_with_forward steps the offloaded partition range by "
+            f"range with torch's Adam/AdamW kernels; this run's optimizer is {type(inner).__qualname__}. Use Adam or "
+            "AdamW, or remove overlap_step_with_forward"
+        )
     unsharded = all(g.layout.num_shards == 1 for g in groups if g.offloaded)
     if offload.overlap_step_with_forward and not policy.shard_parameters and unsharded:
         # The exact step overlapped with the next forward, or (delayed_param_update) a delayed
@@ -201,6 +207,7 @@ def apply_zero(
             quantize_weights="all" if config.zero_quantized_weights else (
                 "frozen" if config.zero_quantized_nontrainable_weights else "none"),
             hpz=build_secondary_partition(config.zero_hpz_partition_size, topology),  # ZeRO++ hpZ (zero/hpz.py)
+            one_rank_resident=config.stage3_one_rank_resident,  # one rank: whole for good (zero/one_rank_gather.py)
         )
         optimizer.param_store = gatherer
         # state_dict() of a module whose parameters are freed: placeholders instead of entries that

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from partita.distributed import collectives
 from partita.optim.eight_bit import step_eight_bit
 from partita.optim.fused_adam_range import fused_adam_optimizer
+from partita.offload.overlapped_update import can_overlap, start_overlapped_update
 from partita.offload.pipelined_step import (
     can_pipeline,
     reads_16bit_grads,
@@ -271,8 +272,9 @@ class ShardedOptimizer:
                 self._pending = (self._background.submit(self._apply_update, grads, multiplier, used,
                                                          cast_for_upload=True), after)
                 return StepResult(applied=True, grad_norm=norm)
-            if can_pipeline(self) and self.overlapped is not None:
-                self._start_overlapped_update(grads, multiplier, used)  # runs on beside the next forward
+            if self.overlapped is not None and can_overlap(self):
+                # Runs on beside the next forward, host and NVMe tiers alike (offload/overlapped_update.py).
+                start_overlapped_update(self, grads, multiplier, used)
             elif can_pipeline(self):
                 self._apply_update(grads, multiplier, used, upload=True)  # stepped and written back bucket by bucket
             else:
@@ -352,42 +354,6 @@ class ShardedOptimizer:
                 grad.mul_(multiplier)
             group.master.grad = grad  # None: the group got no gradient; torch skips it
         return in_kernel
-
-    @torch.no_grad()
-    def _start_overlapped_update(self, grads: list[torch.Tensor | None], multiplier: float, used: list[list[bool]]) -> None:
-        """The exact update with the offloaded groups stepped on the overlap worker; what
-        reads shared state (the learning rates, the clip divisor, the on-accelerator groups'
-        step) happens here, before ``step()`` returns and the LR scheduler steps."""
-        in_kernel = self._prepare_update(grads, multiplier, scale_offloaded=False)  # the worker scales those
-        kept = save_unused(self.groups, self.inner, used)
-
-        def restore(g: int, start: int, end: int) -> None:
-            restore_unused(kept, group=g, start=start, end=end)
-
-        try:
-            held = step_accelerator_groups(self, restore)
-            options = snapshot_options(self)
-        finally:
-            if in_kernel:
-                del self.inner.grad_scale
-
-        def job(on_bucket) -> None:
-            try:
-                if multiplier != 1.0 and not in_kernel:
-                    for grad in held.values():
-                        if grad is not None:
-                            grad.mul_(multiplier)  # a host pass, off the training thread
-                # Buckets in the forward's order (the reverse of the layout's), so the first
-                # blocks' weights are up first and the forward can start on them.
-                step_offloaded_groups(self, held, restore, options, on_bucket, forward_order=True)
-                restore_unused(kept)
-            finally:
-                for group, grad in zip(self.groups, grads):
-                    group.master.grad = None
-                    group.recycle_grad_buffer(grad)
-
-        self.grads_16bit = {}  # taken into ``held`` above
-        self.overlapped.start(job)
 
     def finish_overlapped_update(self) -> None:
         """Wait for an overlapped update (``overlap_step_with_forward``) to be wholly in the
