@@ -128,6 +128,20 @@ class ZeroConfig(StrictSection):
         ),
         json_schema_extra=PARTITA_KEY,
     )
+    stage3_one_rank_resident: bool = Field(
+        False,
+        description=(
+            "partita-only. ZeRO-3 with a ZeRO group of one rank (one GPU) and no offload_param: keep every "
+            "parameter whole for good, as ZeRO-1 does, instead of filling and freeing each unit per use: no "
+            "unit hook runs, fp32 parameters share the fp32 master's storage (no copy of the weights at all), "
+            "and 16-bit ones are rewritten from the master after each optimizer step (one cast, ZeRO-1's). "
+            "Bitwise the same training. Costs 2 bytes per 16-bit parameter beside the activations (fp32: "
+            "nothing); parameters then read outside GatheredParameters give their values, never "
+            "ParameterNotGatheredError. Ignored (logged) with more than one ZeRO rank. See "
+            "docs/guides/zero.md (ZeRO-3 on one GPU)."
+        ),
+        json_schema_extra=PARTITA_KEY,
+    )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False,
         description=(
@@ -282,6 +296,13 @@ class ZeroConfig(StrictSection):
                 "one_rank_gradient_fold",
                 "one_rank_gradient_fold \"stream\" steps the optimizer on the accelerator from param.grad and "
                 "is not built for offload_param; remove offload_param or use one_rank_gradient_fold \"auto\"",
+            )
+        if self.stage3_one_rank_resident and self.offload_param.enabled:
+            raise PydanticCustomError(
+                "stage3_one_rank_resident",
+                "stage3_one_rank_resident keeps every parameter whole on the accelerator, and offload_param keeps "
+                "the parameter shards off it (\"{device}\"); remove one of them",
+                {"device": self.offload_param.device},
             )
         if self.offload_param.gather_from_master:
             host_master = self.offload_optimizer.device in ("cpu", "auto")

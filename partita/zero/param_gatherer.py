@@ -69,6 +69,7 @@ from partita.zero.gather_state import InFlight, ParamState
 from partita.zero.gather_wire import PURPOSE, Wire, refresh_gatherer_fp8_scales, start_all_gather, wire_of
 from partita.zero.holds import Holds
 from partita.zero.hpz import SecondaryPartition
+from partita.zero.one_rank_gather import LocalGather, local_gathers, resident_ignored
 from partita.zero.partition import ShardSpec
 from partita.zero.shard_group import ShardedParamGroup, unpack_from_columns
 from partita.zero.traced_forward import TracedForward
@@ -99,6 +100,7 @@ class ParameterGatherer(TracedForward):
         frozen: FrozenShards | None = None,
         quantize_weights: str = "none",
         hpz: SecondaryPartition | None = None,
+        one_rank_resident: bool = False,
     ) -> None:
         self._groups = groups
         # ZeRO++ qwZ: "all", "frozen" (nontrainable only) or "none"; the forward/backward gathers of those
@@ -179,7 +181,18 @@ class ParameterGatherer(TracedForward):
             )
         if callable(getattr(model, "zero3_units", None)):  # a pipeline stage: no root forward brackets a
             self.trace.state = TraceState.DISABLED  # step, units are gathered on demand (partita/pipe/module.py)
+        # One rank, shards on the device: gathers are local fills (zero/one_rank_gather.py), and with
+        # ``one_rank_resident`` every parameter is whole for good and no unit hook exists at all.
+        self._local: LocalGather | None = None
+        if local_gathers(world_size=world_size, storage=self.storage, groups=groups, hpz=hpz):
+            self._local = LocalGather(self._where, self.storage, frozen, share_trainable=one_rank_resident)
+        self.resident: frozenset[nn.Parameter] = frozenset()
         self._hooks = []
+        if self._local is not None and one_rank_resident:
+            self._make_resident()
+            return
+        if one_rank_resident:
+            resident_ignored(world_size, self.storage.location)
         for unit, params in self._unit_params.items():
             if params or unit is model:  # the root's hooks also mark where a forward starts
                 self._hooks.append(unit.register_forward_pre_hook(self._pre_forward))
@@ -192,6 +205,15 @@ class ParameterGatherer(TracedForward):
             self._hooks.append(register_weak_grad_hook(param, self._release_one))
 
     # ------------------------------------------------------------------ setup
+    def _make_resident(self) -> None:
+        """[Note: resident parameters] (zero/one_rank_gather.py): whole for good, held by the engine."""
+        params = list(self._state)
+        for param in params:
+            self._transition(param, ParamState.SHARDED, ParamState.GATHERED)
+        self._husks.update(self._local.make_resident(params))
+        self.holds.add(params)  # nothing releases a held parameter: no hook, release_all, hold's end
+        self.resident = frozenset(params)
+
     def _assign_units(self, model: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:  # rule: zero/unit_owner.py
         frozen = self.frozen if self.frozen is not None else ()
         return assign_units(model, lambda p: (p in self._where or p in frozen) and p not in self.persistent)
@@ -294,8 +316,17 @@ class ParameterGatherer(TracedForward):
         """Make every parameter in ``params`` whole: finish prefetches that cover some of
         them, all-gather the rest with one collective (``quantize``: a unit's gather, int8 with qwZ)."""
         params = list(params)
-        for ticket in sorted({self._in_flight_of[p] for p in params if p in self._in_flight_of}):
-            self._finish_gather(ticket)
+        if self._in_flight:
+            for ticket in sorted({self._in_flight_of[p] for p in params if p in self._in_flight_of}):
+                self._finish_gather(ticket)
+        if self._local is not None:  # one rank: each parameter filled from its shard, no collective
+            for param in params:
+                if self._state.get(param) is ParamState.SHARDED:
+                    self._transition(param, ParamState.SHARDED, ParamState.GATHERED)
+                    husk = self._local.fill(param)
+                    if husk is not None:
+                        self._husks[param] = husk
+            return
         todo = [p for p in params if self._state.get(p) is ParamState.SHARDED]
         for ticket in self._start_gathers(todo, quantize):
             self._finish_gather(ticket)
@@ -415,7 +446,8 @@ class ParameterGatherer(TracedForward):
 
     def num_gathered(self) -> int:
         """Elements of non-persistent parameters currently held whole on this rank."""
-        return sum(p.numel() for p, s in self._state.items() if s is ParamState.GATHERED)
+        resident = self.resident  # whole for good: nothing a caller waits on (offload_states asks)
+        return sum(p.numel() for p, s in self._state.items() if s is ParamState.GATHERED and p not in resident)
 
     @property
     def live_numel(self) -> int:
@@ -454,6 +486,8 @@ class ParameterGatherer(TracedForward):
         """After an optimizer step: the low-precision shards follow the fp32 master (on the
         device, in host memory or in the swap files, see :attr:`storage`); hpZ's copies are stale."""
         self.storage.refresh()
+        if self.resident:
+            self._local.refresh()  # the 16-bit parameters are the shards' whole copies: they follow
         refresh_gatherer_fp8_scales(self._where, self._groups, self.storage, group=self._process_group, world_size=self._world_size)
         if self.hpz is not None:
             self.hpz.drop()
