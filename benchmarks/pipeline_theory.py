@@ -6,7 +6,7 @@
   (Qi et al. 2024, ZB1P: bubble (p-1)(F+B-2W) instead of (p-1)(F+B), with I = W = F) divided by
   v for v chunks: (p-1)/(3*v*m+p-1).
 - ``simulated_bubble``: the idle fraction per rank of torch's own action list for the schedule
-  (``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``, the order the runtime
+  (the schedule class's ``pipeline_order``, built over stand-in stages: the order the runtime
   executes), replayed with zero-cost communication and unit costs F = I = W = 1, B = 2 per chunk
   (divided by v). It is what *this implementation* of a schedule can reach, where the formula is
   what the paper's schedule reaches; the two differ where torch's order is not the optimal one.
@@ -30,10 +30,13 @@ def formula_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     return theory_idle_fraction(p, m, "1f1b" if schedule == "deepspeed_1f1b" else schedule, v)
 
 
-def replay(ops: list[list[tuple[int, str, int]]], num_stages: int, v: int) -> list[float]:
+def replay(ops: list[list[tuple[int, str, int]]], num_stages: int, v: int,
+           costs: dict[tuple[int, str, int], float] | None = None) -> list[float]:
     """Idle fraction of each rank when every rank runs its ``(stage, kind, micro_batch)`` list in
     order, each op starting once its rank is free and its inputs exist (zero-cost sends):
-    F(s, k) after F(s-1, k); B or I (s, k) after F(s, k) and B/I(s+1, k); W(s, k) after I(s, k)."""
+    F(s, k) after F(s-1, k); B or I (s, k) after F(s, k) and B/I(s+1, k); W(s, k) after I(s, k).
+    ``costs``: each op's own duration (e.g. measured, ``pipeline_timeline``); default the unit
+    costs ``COST`` divided by ``v``."""
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(ops)
     busy = [0.0] * len(ops)
@@ -57,7 +60,7 @@ def replay(ops: list[list[tuple[int, str, int]]], num_stages: int, v: int) -> li
                 if any(d not in done for d in deps):
                     break
                 start = max([free[rank]] + [done[d] for d in deps])
-                cost = COST[kind] / v
+                cost = costs[(stage, kind, mb)] if costs is not None else COST[kind] / v
                 done[(stage, kind, mb)] = free[rank] = start + cost
                 busy[rank] += cost
                 nxt[rank] += 1
@@ -94,15 +97,29 @@ def single_stage_ops(schedule: str, p: int, m: int) -> list[list[tuple[int, str,
 
 
 def simulated_bubble(schedule: str, p: int, m: int, v: int = 1) -> list[float] | None:
-    """Per-rank idle fraction of the order torch runs ``schedule`` in (None where torch's private
-    visualizer helper, needed for the multi-chunk schedules, is missing in this torch version)."""
+    """Per-rank idle fraction of the order torch runs ``schedule`` in (None where this torch
+    version lacks the schedule's class)."""
     if schedule in ("gpipe", "1f1b", "deepspeed_1f1b"):
         return replay(single_stage_ops("gpipe" if schedule == "gpipe" else "1f1b", p, m), p, 1)
-    try:
-        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    except ImportError:
+    ops = torch_order(schedule, p, m, v)
+    return None if ops is None else replay(ops, p * v, v)
+
+
+def torch_order(schedule: str, p: int, m: int, v: int) -> list[list[tuple[int, str, int]]] | None:
+    """Each rank's compute actions in the order torch's multi-stage schedule ``schedule`` lists
+    them (``pipeline_order``), built over stand-in stages the way torch's private visualizer
+    helper does; that helper refuses one stage per rank, which zero bubble (ZB-H1) runs. None
+    where this torch has no such class."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    cls = getattr(schedules, "Schedule" + TORCH_NAMES[schedule], None)
+    if cls is None:
         return None
-    raw = get_schedule_ops(TORCH_NAMES[schedule], p, m, v)
-    ops = [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in rank
-            if a is not None and a.computation_type.value in COST] for rank in raw]
-    return replay(ops, p * v, v)
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p * v
+    order = cls([stage] * v, m).pipeline_order
+    return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in order[r]
+             if a is not None and a.computation_type.value in COST] for r in range(p)]

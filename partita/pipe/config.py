@@ -67,7 +67,8 @@ class PipelineConfig(StrictSection):
         "1f1b",
         description=(
             "partita only: torch.distributed.pipelining schedule. \"1f1b\" (DeepSpeed's), \"gpipe\", "
-            "\"interleaved_1f1b\" and \"zero_bubble\" (ScheduleInterleavedZeroBubble; both need virtual_stages >= 2). "
+            "\"interleaved_1f1b\" (needs virtual_stages >= 2) and \"zero_bubble\" (ScheduleInterleavedZeroBubble: "
+            "virtual_stages 1 is ZB-H1, 2 or more the interleaved zero-bubble schedule). "
             "Default \"1f1b\"."
         ),
         json_schema_extra=PARTITA_KEY,

@@ -14,6 +14,10 @@ Why these and how they are wired (shared/reference/model_parallel.md §1.3, §7)
   pt#144530) reduces correctly too.
 - Interleaved schedules map stage ``i`` to pipe rank ``i % p`` (loop), the mapping
   :class:`partita.pipe.PipelineModule` builds its chunks in.
+- ``zero_bubble`` runs ``ScheduleInterleavedZeroBubble`` over however many chunks a rank holds:
+  one chunk per rank is the paper's ZB-H1 (bubble ``(p-1)/(3m+p-1)``), ``v`` chunks divide it by
+  ``v``. One chunk is often the faster choice on CPU, where every chunk call and message has a
+  fixed cost (``benchmarks/results/pipeline_cpu_2026-12-04.md``).
 - Evaluation runs a schedule without a loss function (forward only, public on both versions:
   GPipe for one chunk per rank, else the training schedule's class) over stage objects of its own;
   2.11 does not re-infer shared stages' buffers when the mode switches (2.13 does).
@@ -84,10 +88,10 @@ def check_micro_batches(schedule: str, micro_batches: int, num_stages: int, virt
             f"pipeline.schedule={schedule!r} runs one model chunk per rank, but the PipelineModule has "
             f"virtual_stages={virtual_stages}: use \"interleaved_1f1b\" or \"zero_bubble\", or build it with virtual_stages=1"
         )
-    if schedule in _MULTI and virtual_stages < 2:
+    if schedule == "interleaved_1f1b" and virtual_stages < 2:
         raise ConfigError(
             f"pipeline.schedule={schedule!r} needs at least 2 model chunks per rank: build the PipelineModule "
-            "with virtual_stages=2 (or more), or use schedule \"1f1b\""
+            "with virtual_stages=2 (or more), or use schedule \"1f1b\" (or \"zero_bubble\", which also runs one chunk per rank)"
         )
     if schedule == "1f1b" and micro_batches < num_stages:
         raise ConfigError(
