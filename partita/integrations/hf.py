@@ -36,8 +36,9 @@ Trainer's beneath them. Models the Trainer prepares for evaluation only
 (``accelerator.prepare_model(m, evaluation_mode=True)``: TRL's reference and reward models) become
 inference-only engines at ZeRO-3 and frozen copies on the device at stages 0-2
 (:mod:`partita.integrations.trl_support`); generation (GRPO's rollouts) goes through
-``engine.generate``, gathered once per call at ZeRO-3; ``save_model`` of a PEFT model writes its
-adapters (:func:`partita.integrations.peft_support.save_adapters`).
+``engine.generate``, gathered once per call at ZeRO-3, or with ``use_vllm=True`` through vLLM, whose
+weight sync then reads partita's weight stream (:mod:`partita.integrations.trl_weight_sync`);
+``save_model`` of a PEFT model writes its adapters (:func:`partita.integrations.peft_support.save_adapters`).
 
 A model built inside ``partita.zero.Init(config_dict_or_path=...)`` can be passed as is.
 transformers' own ZeRO-3 utilities (``from_pretrained`` into shards, ``resize_token_embeddings``,
@@ -318,8 +319,10 @@ def with_partita(trainer_class: type) -> type:
         self.engine = None
         trainer_class.__init__(self, *args, **kwargs)
         from partita.integrations.trl_support import unwrap_reward_models
+        from partita.integrations.trl_weight_sync import install_weight_sync
 
         unwrap_reward_models(self)  # GRPO/RLOO call a reward model only if it is an nn.Module
+        install_weight_sync(self)  # use_vllm=True: vLLM gets whole weights from partita, not ZeRO-3 shards
 
     name = f"Partita{trainer_class.__name__}"
     # Method order: trainer_class's overrides, then PartitaTrainer's, then Trainer's (C3 places

@@ -25,6 +25,8 @@ What this module adds, and why:
 - :func:`merged_state_dict` / :func:`save_merged_model`: what ``merge_and_unload()`` of the
   unsharded model would give, on rank 0, without changing the engine's model: each adapted layer
   is gathered alone, merged by peft's own ``merge``, read, and put back exactly as it was.
+  :func:`iter_merged_parameters` hands the same merged parameters out one at a time on every rank
+  (the weight sync to a generator that knows only the base model: vLLM).
 - :func:`check_quantized_base`: refuses a bitsandbytes-quantized (QLoRA) base on a device
   bitsandbytes has no 4-bit kernels for (where it has them, QLoRA trains at every stage; at
   ZeRO-3 the 4-bit base stays whole on every rank, see docs/guides/lora-peft.md).
@@ -47,7 +49,8 @@ from partita.integrations.hf_gathered import GatheredParameters, is_engine_manag
 from partita.zero.init_context import init_shard_of
 
 __all__ = ["adapter_state_dict", "check_quantized_base", "gathered_adapters", "get_peft_model",
-           "merged_state_dict", "save_adapters", "save_merged_model", "whole_adapters_threshold"]
+           "iter_merged_parameters", "merged_state_dict", "save_adapters", "save_merged_model",
+           "whole_adapters_threshold"]
 
 # LoRA initialisations that leave the base weights alone (the others rewrite them, assigning .data).
 _DEFAULT_INITS = (True, False, "gaussian")
@@ -352,38 +355,112 @@ def _merge_walk(module: nn.Module, prefix: str, out: dict, merge: _Merge) -> Non
             _merge_walk(child, f"{prefix}{name}.", out, merge)
 
 
-@torch.no_grad()
 def _merge_layer(layer: Any, prefix: str, out: dict, merge: _Merge) -> None:
-    """One adapted layer: gathered, merged in place by peft, its base layer's state read (rank 0),
-    then every tensor given back its own storage and values, and peft's merge record.
+    """One adapted layer's merged base-layer state, read on rank 0 (see :func:`_merged_layer`)."""
+    with _merged_layer(layer, merge) as entries:
+        if entries is not None and _writer():
+            out.update({prefix + k: t.detach().to("cpu", copy=True).contiguous() for k, t in entries.items()})
+
+
+@contextlib.contextmanager
+def _merged_layer(layer: Any, merge: _Merge) -> Iterator[dict[str, torch.Tensor] | None]:
+    """One adapted layer, gathered and merged in place by peft for the block: yields its base layer's
+    ``state_dict(keep_vars=True)`` (the live, merged tensors, whole on every rank; None on the ranks
+    other than 0 in an fp32 merge, which only take part in the gathers); on exit every tensor gets
+    back its own storage and values, and peft's merge record is restored.
 
     In fp32 every tensor of the layer computes on an fp32 copy (``.data`` swapped for the merge):
     the live tensors are only read."""
     base = layer.get_base_layer()
     entries = base.state_dict(keep_vars=True)  # the live tensors of the merged layer's keys
     tensors = list(layer.parameters()) + list(layer.buffers())
+    # no_grad around the edits only, not across the yield: the caller's block keeps its own grad mode.
     with GatheredParameters(tensors):
         if merge.masters is not None and not _writer():
-            return  # the fp32 merge is rank 0's alone; the others only took part in the gathers
+            yield None  # the fp32 merge is rank 0's alone; the others only took part in the gathers
+            return
         swapped = tensors if merge.masters is not None else list(entries.values())
-        # (tensor, its own .data, what to put back into it: None when it computed on a copy)
-        kept = [(t, t.data, None if merge.masters is not None else t.detach().clone()) for t in swapped]
+        with torch.no_grad():  # (tensor, its own .data, what to put back into it: None when it computed on a copy)
+            kept = [(t, t.data, None if merge.masters is not None else t.detach().clone()) for t in swapped]
         merged_before = list(layer.merged_adapters)
         try:
-            if merge.masters is not None:
-                for tensor in swapped:
-                    tensor.data = merge.fp32_value(tensor)
-            # safe_merge=False: peft's in-place path (merge_and_unload's default arithmetic).
-            layer.merge(safe_merge=False, adapter_names=merge.adapter_names)
-            if _writer():
-                out.update({prefix + k: t.detach().to("cpu", copy=True).contiguous() for k, t in entries.items()})
+            with torch.no_grad():
+                if merge.masters is not None:
+                    for tensor in swapped:
+                        tensor.data = merge.fp32_value(tensor)
+                # safe_merge=False: peft's in-place path (merge_and_unload's default arithmetic).
+                layer.merge(safe_merge=False, adapter_names=merge.adapter_names)
+            yield entries
         finally:
-            for tensor, data, values in kept:
-                if tensor.data is not data:  # a copy, or a variant that assigned .data: its own storage back
-                    tensor.data = data
-                if values is not None:
-                    tensor.data.copy_(values)
+            with torch.no_grad():
+                for tensor, data, values in kept:
+                    if tensor.data is not data:  # a copy, or a variant that assigned .data: its own storage back
+                        tensor.data = data
+                    if values is not None:
+                        tensor.data.copy_(values)
             layer.merged_adapters = merged_before
+
+
+def iter_merged_parameters(model_or_engine: Any, *,
+                           adapter_names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters of ``merge_and_unload(adapter_names=...)`` of the unsharded model, one whole
+    tensor at a time on every rank, in ``named_parameters()`` order and under the base model's names
+    (a tied weight once, under its first name; no buffers): the weight sync to a generator that
+    knows the base model only (vLLM). The values equal :func:`merged_state_dict`'s; the engine's
+    model is left as it was.
+
+    Memory: besides its own shards a rank holds one adapted layer gathered and merged (plus a copy
+    of its base weight to restore it), or one other parameter gathered. Each tensor is valid until
+    the next one is asked for (it may be the model's own storage, merged for the moment): read or
+    copy it first. Every rank must iterate to the end (the gathers are collectives).
+
+    Raises:
+        ConfigError: a quantized (bitsandbytes) base.
+        NotImplementedError: a peft wrapper other than ``modules_to_save`` (trainable tokens).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model, engine = _peft_model_of(model_or_engine, "iter_merged_parameters")
+    _settle(engine)
+    if _quantized(model):
+        raise ConfigError(
+            "iter_merged_parameters: the base is quantized (bitsandbytes), and merging into 4/8-bit weights loses "
+            "the adapters' precision; stream the weights of an unquantized base instead"
+        )
+    yield from _stream_walk(model.get_base_model(), "", _Merge(adapter_names, None, BaseTunerLayer), set())
+
+
+def _stream_walk(module: nn.Module, prefix: str, merge: _Merge, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`_merge_walk`'s replacements (adapted layers merged, the active modules_to_save copy),
+    parameters only, each made whole on every rank while it is handed out."""
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    if isinstance(module, merge.tuner_layer):
+        with _merged_layer(module, merge) as entries:
+            for key, tensor in entries.items():
+                if isinstance(tensor, nn.Parameter) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    yield prefix + key, tensor.detach()
+        return
+    if isinstance(module, ModulesToSaveWrapper):
+        active = module.active_adapters[0] if module.active_adapters else None
+        target = module.modules_to_save[active] if active in module.modules_to_save else module.original_module
+        yield from _stream_walk(target, prefix, merge, seen)
+        return
+    if isinstance(module, AuxiliaryTrainingWrapper):
+        raise NotImplementedError(
+            f"iter_merged_parameters: {prefix.rstrip('.') or 'the model'} is a peft {type(module).__name__}, which "
+            "this merge does not unwrap; merge the adapters into the unsharded base and stream that model instead"
+        )
+    for name, param in module._parameters.items():
+        if param is None or id(param) in seen:
+            continue
+        seen.add(id(param))
+        with GatheredParameters([param]):
+            yield prefix + name, param.detach()
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _stream_walk(child, f"{prefix}{name}.", merge, seen)
 
 
 def save_merged_model(model_or_engine: Any, save_directory: str | os.PathLike, *,
