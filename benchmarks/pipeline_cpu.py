@@ -6,8 +6,8 @@
 The model is 16 pre-norm residual MLP blocks (d 256, hidden 1024; ``pipeline_cpu_worker.Block``),
 64 rows per micro-batch, MSE loss, AdamW, ZeRO-0, gradient clipping 1.0, fp32, cut uniformly
 into 4 stages (4 blocks each; 8 chunks of 2 blocks for the interleaved schedules, 2 per rank).
-partita runs every schedule it offers (``gpipe``, ``1f1b``, ``interleaved_1f1b`` and
-``zero_bubble`` with ``virtual_stages`` 2), DeepSpeed 0.19.8 its one 1F1B ``TrainSchedule``
+partita runs every schedule it offers (``gpipe``, ``1f1b``, ``interleaved_1f1b`` with
+``virtual_stages`` 2, ``zero_bubble`` with 1 and with 2), DeepSpeed 0.19.8 its one 1F1B ``TrainSchedule``
 (``deepspeed.pipe.PipelineModule`` + ``deepspeed.initialize`` + ``train_batch``), on the same
 layers, seeds, partition and micro-batches.
 
@@ -50,7 +50,8 @@ from common import children_cpu_seconds, cpu_busy_seconds, git_commit, hardware_
 from pipeline_theory import formula_bubble, simulated_bubble  # noqa: E402
 from output_paths import output_file  # noqa: E402
 
-PARTITA_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2))
+# zero_bubble twice: one chunk per rank (ZB-H1) and two (the interleaved zero-bubble schedule).
+PARTITA_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2))
 
 
 def launch(configs: list[tuple[str, str, int, int]], args, port: int) -> dict:
@@ -130,7 +131,7 @@ def summarize(launches: list[dict], stages: int) -> list[dict]:
             "first_batch_loss": row["first_loss"],
         })
     order = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 3}
-    out.sort(key=lambda r: (r["micro_batches"], r["engine"] == "deepspeed", order.get(r["schedule"], 9)))
+    out.sort(key=lambda r: (r["micro_batches"], r["engine"] == "deepspeed", order.get(r["schedule"], 9), r["virtual_stages"]))
     return out
 
 
@@ -154,6 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=4, help="processes = pipeline stages")
     parser.add_argument("--micro-batches", default="4,8,16")
+    parser.add_argument("--schedules", default=None,
+                        help="partita's configurations, comma-separated schedule:virtual_stages (default: all of "
+                             "PARTITA_SCHEDULES)")
     parser.add_argument("--launches", type=int, default=1, help="torchrun jobs, each running every configuration")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed batches per configuration per round")
@@ -165,7 +169,9 @@ def main() -> None:
     parser.add_argument("--json", type=output_file, default=None)
     args = parser.parse_args()
     ms = [int(x) for x in args.micro_batches.split(",")]
-    configs = [("partita", s, v, m) for m in ms for s, v in PARTITA_SCHEDULES]
+    chosen = PARTITA_SCHEDULES if args.schedules is None else [
+        (item.split(":")[0], int(item.split(":")[1]) if ":" in item else 1) for item in args.schedules.split(",")]
+    configs = [("partita", s, v, m) for m in ms for s, v in chosen]
     if not args.no_deepspeed:
         # Each m's DeepSpeed run next to partita's runs of that m (the worker rotates the order per round).
         configs = [c for m in ms for c in [x for x in configs if x[3] == m] + [("deepspeed", "1f1b", 1, m)]]
