@@ -3,6 +3,8 @@
     python benchmarks/largest_tiered.py --sizes 5120x40,5120x44,5120x48 --nvme-path /local_nvme \\
         --out benchmarks/results/largest_tiered.json          # one H200
     python benchmarks/largest_tiered.py --tiny --out /tmp/largest_tiered.json   # CPU check of the script
+    python benchmarks/largest_tiered.py --sizes 5120x48 --nvme-path /local_nvme --overlap --pipeline-write \
+        --out benchmarks/results/largest_tiered_overlap.json   # the host and NVMe steps beside the next forward
 
 For each size (``d_model x n_layers``, 128-wide heads, vocab 50304, sequence ``--seq-len``) a fresh
 process builds partita's GPT in bf16 on the accelerator and trains it ``--steps`` steps through
@@ -112,8 +114,10 @@ def _engine_config(spec: dict) -> dict:
         "zero_optimization": {
             "stage": spec["stage"],
             "sub_group_size": spec["sub_group_size"],
-            "offload_optimizer": {"device": "auto", "nvme_path": spec["nvme_path"], "buffer_count": 4,
-                                  "pipeline_read": True, "pipeline_write": False, "tiers": tiers},
+            "offload_optimizer": {"device": "auto", "nvme_path": spec["nvme_path"],
+                                  "buffer_count": spec.get("buffer_count", 4), "pipeline_read": True,
+                                  "pipeline_write": spec.get("pipeline_write", False),
+                                  "overlap_step_with_forward": spec.get("overlap", False), "tiers": tiers},
         },
     }
 
@@ -169,6 +173,10 @@ def run_worker(spec: dict) -> dict:
         "tokens_per_s": tokens / statistics.median(steady),
         "step_s_median": statistics.median(steady),
         "losses": losses,
+        "overlap": spec.get("overlap", False),
+        # The swapper's last step: NVMe bytes and the seconds its reads were waited for.
+        "nvme_last_step": (optimizer.swapper.last_step.log_metrics() if optimizer.swapper is not None
+                           and optimizer.swapper.last_step is not None else None),
         "loss_fell": losses[-1] < losses[0],
         "peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
         "peak_host_drop_gib": (sampler.start_available - sampler.min_available) / GIB,
@@ -247,6 +255,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--headroom", type=float, default=0.1)
     parser.add_argument("--tier-capacity", default=None, help="GiB overrides, e.g. cpu=128,nvme=64")
     parser.add_argument("--fractions", default=None, help="an explicit split a,c,n instead of the automatic one")
+    parser.add_argument("--overlap", action="store_true",
+                        help="offload_optimizer.overlap_step_with_forward: the host and NVMe steps run beside the next forward")
+    parser.add_argument("--pipeline-write", action="store_true", help="offload_optimizer.pipeline_write (NVMe writes behind)")
+    parser.add_argument("--buffer-count", type=int, default=4,
+                        help="offload_optimizer.buffer_count (pipeline_read and pipeline_write together need 4 for AdamW)")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--out", type=output_file, default=None, help="JSON file, rewritten after every size (required)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -290,7 +303,8 @@ def main(argv: list[str]) -> int:
                     "vocab": vocab, "seq_len": seq_len, "micro_batch": args.micro_batch, "steps": args.steps,
                     "stage": args.stage, "sub_group_size": 4096 if args.tiny else args.sub_group_size,
                     "nvme_path": nvme_path, "headroom": args.headroom, "capacity_gib": capacity,
-                    "fractions": [float(v) for v in args.fractions.split(",")] if args.fractions else None}
+                    "fractions": [float(v) for v in args.fractions.split(",")] if args.fractions else None,
+                    "overlap": args.overlap, "pipeline_write": args.pipeline_write, "buffer_count": args.buffer_count}
             row = {"plan": _bound(spec), **run_size(spec, args.timeout_s)}
             report["runs"].append(row)
             out.write_text(json.dumps(report, indent=2))  # incrementally: a later kill keeps this row
