@@ -83,6 +83,9 @@ class LocalGather:
         self._share_trainable = share_trainable
         self._copied: list[nn.Parameter] = []  # resident, own storage: written back by refresh()
         self._shared: dict[nn.Parameter, int] = {}  # resident, sharing their piece: its data_ptr then
+        # Whether each parameter shares its piece, decided at its first fill: a freed parameter's
+        # dtype costs a __torch_function__ round trip (freed.py), and neither dtype ever changes.
+        self._shares: dict[nn.Parameter, bool] = {}
 
     def source(self, param: nn.Parameter) -> torch.Tensor:
         """The parameter's whole value in its shard, viewed in its shape (no copy)."""
@@ -98,7 +101,11 @@ class LocalGather:
         """Make a freed ``param`` whole. Returns the husk to free it onto when it shares its shard
         (freed.share_values), None when it got its own storage and a copy."""
         source = self.source(param)
-        if source.dtype == param.dtype and (self._share_trainable or param not in self._where):
+        shares = self._shares.get(param)
+        if shares is None:
+            shares = self._shares[param] = (source.dtype == param.dtype
+                                            and (self._share_trainable or param not in self._where))
+        if shares:
             return share_values(param, source)
         allocate_param(param)
         param.data.copy_(source)  # the cast the send buffer made, into the parameter itself
