@@ -9,6 +9,8 @@ the key (zero/one_rank_gather.py [Note: resident parameters]):
   run's (the load replaces the masters: the resident weights follow);
 - offload_states() / reload_states() between steps (every kind) then training goes on bitwise;
 - engine.generate gives the tokens of the unsharded model with the trained weights, with the key and without.
+- with the optimizer in host memory (delayed update) the bf16 parameters are the device's bf16 shards
+  (no memory beyond the default's) and train bitwise as the default does.
 """
 
 from __future__ import annotations
@@ -132,3 +134,34 @@ def test_resident_checkpoints_offload_and_generation(tmp_path, bf16: bool) -> No
     for rank_whole in run_distributed(_two_ranks, 2, str(tmp_path), bf16, timeout=300):
         for name, value in got["saved_True"].items():
             assert torch.equal(rank_whole[name], value), name
+
+
+def _offloaded(resident: bool) -> dict:
+    """bf16, optimizer in host memory with the delayed update: the device keeps a bf16 shard per group."""
+    import partita
+    from partita.models.gpt import GPT, GPTConfig
+
+    config = _config(resident, True)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "delayed_param_update": True}
+    torch.manual_seed(0)
+    engine, _, _, _ = partita.initialize(model=GPT(GPTConfig(**SHAPE)), config=config)
+    losses = [_step(engine, s) for s in range(3)]
+    engine.finish_pending_step()
+    gatherer = engine.zero.gatherer
+    shards = [s.untyped_storage().data_ptr() for s in gatherer.shards]
+    shared = [p.untyped_storage().data_ptr() in shards for p in gatherer.resident]
+    return {"losses": losses, "whole": _whole(engine), "shared": shared}
+
+
+def _offloaded_both() -> dict:
+    return {resident: _offloaded(resident) for resident in (False, True)}
+
+
+def test_resident_over_a_host_master_shares_the_device_shard() -> None:
+    got = run_distributed(_offloaded_both, 1, timeout=300)[0]
+    default, resident = got[False], got[True]
+    assert default["shared"] == [] and len(resident["shared"]) > 8
+    assert all(resident["shared"])  # the bf16 parameters are the device shards: no extra memory
+    assert resident["losses"] == default["losses"]
+    for name, value in default["whole"].items():
+        assert torch.equal(resident["whole"][name], value), name

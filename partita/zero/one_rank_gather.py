@@ -31,7 +31,9 @@ with one ``torch._foreach_copy_`` (ZeRO-1's streamed write-back, the same cast).
 piece has their dtype share it, so fp32 training holds no copy of the weights beside the master
 (less memory than the transient copies of the default) and needs no write-back at all; 16-bit
 parameters over a device fp32 master hold their own 16-bit storage, 2 bytes per parameter
-beside the activations where the default frees them: that is why it is not the default.
+beside the activations where the default frees them: that is why it is not the default. Over a
+host master (``offload_optimizer``) the device keeps a 16-bit shard anyway, refreshed in place
+after each step (delayed update included, between steps): the parameters share it and cost nothing.
 What a user sees: parameters are never freed, so reading one outside ``GatheredParameters``
 gives its values instead of ``ParameterNotGatheredError``; ``state_dict()`` entries are the
 live parameters' aliases (as in plain torch, they follow training).
