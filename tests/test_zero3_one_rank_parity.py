@@ -58,9 +58,10 @@ def _grads(engine, names: dict) -> dict[str, torch.Tensor]:
 
 
 # mode: (stage, stage3_one_rank_resident). "general": ZeRO-3's gather of more ranks (send buffer,
-# "collective", unpack), what one rank ran before; "zero2_whole": one_rank_free_weights off.
+# "collective", unpack), what one rank ran before; "zero2_whole": one_rank_free_weights off;
+# "resident_threshold": the default persistence threshold (resident, the small parameters are managed too).
 MODES = {"zero1": (1, False), "zero2": (2, False), "zero2_whole": (2, False), "general": (3, False),
-         "local": (3, False), "resident": (3, True)}
+         "local": (3, False), "resident": (3, True), "resident_threshold": (3, True)}
 
 
 def _train(mode: str, bf16: bool) -> dict:
@@ -72,6 +73,8 @@ def _train(mode: str, bf16: bool) -> dict:
     model = build_block_model()
     config = _config(stage, bf16, resident)
     config["zero_optimization"]["one_rank_free_weights"] = mode != "zero2_whole"
+    if mode == "resident_threshold":
+        del config["zero_optimization"]["stage3_param_persistence_threshold"]
     engine, _, _, _ = partita.initialize(model=model, config=config)
     if mode == "general":
         engine.zero.gatherer._local = None  # the gather of more ranks (send buffer, unpack): ZeRO-3 before
@@ -137,7 +140,7 @@ def test_one_rank_zero3_is_bitwise_zero1_and_zero3_before(runs, bf16: bool) -> N
     # micro-batch into the fp32 partition: in bf16 those differ by design, so there ZeRO-2 is the peer.
     peers = ["zero2", "zero2_whole", "general"] + ([] if bf16 else ["zero1"])
     want = runs[("zero2", bf16)]
-    for mode in peers + ["local", "resident"]:
+    for mode in peers + ["local", "resident", "resident_threshold"]:
         got = runs[(mode, bf16)]
         assert got["losses"] == want["losses"], mode
         for got_step, want_step in zip(got["grads"], want["grads"], strict=True):
@@ -166,6 +169,8 @@ def test_default_frees_blocks_and_gathers_without_a_send_buffer(runs, bf16: bool
 def test_resident_keeps_everything_whole_without_hooks(runs, bf16: bool) -> None:
     resident = runs[("resident", bf16)]
     assert resident["resident"] > 8 and resident["hooks"] == 0
+    # With the default persistence threshold too: every parameter is managed (written back in one copy).
+    assert runs[("resident_threshold", bf16)]["resident"] == resident["resident"]
     assert resident["freed_mid"] == [[]] * (STEPS * GA)
     assert resident["gather_bytes"] == 0  # whole already
     # fp32: the parameters are the master's storage (no copy of the weights); bf16: their own.
