@@ -269,7 +269,15 @@ def main() -> None:
                        "commit": git_commit(REPO), "hardware": hardware_summary(), "versions": versions(),
                        "settings": vars(args), "rows": rows, "table": table,
                        "errors": [{"config": j["config"], "error": j["error"]} for j in jobs if "error" in j],
-                       "launches": jobs}, f)
+                       "launches": [_last_batch_only(j) for j in jobs]}, f)
+
+
+def _last_batch_only(job: dict) -> dict:
+    """The launch with only its last batch's events per rank (the rows hold every batch's figures;
+    all events of every batch would make the JSON megabytes)."""
+    if "ranks" not in job:
+        return job
+    return {**job, "ranks": [{**r, "steps": r["steps"][-1:]} for r in job["ranks"]]}
 
 
 def _split_configs(text: str) -> list[str]:
