@@ -25,9 +25,7 @@ values it had when the unit was freed (state_dict_guard.py), and an edit inside 
 ``zero_optimization.stage3_one_rank_resident`` (a partita key, off by default) keeps every
 sharded parameter whole for good at one rank, as ZeRO-1 does: the gatherer registers no unit
 hooks at all (no gather, free, autograd identity or gradient hook per unit and step), holds every
-parameter from construction (holds.py: nothing releases a held parameter), manages the small ones
-too (no persistence threshold: the optimizer's write-back of "persistent" parameters, a packed
-cast and one copy per parameter, has nothing left to do), and
+parameter from construction (holds.py: nothing releases a held parameter), and
 ``refresh_shards`` after each optimizer step writes the new master into the 16-bit parameters
 with one ``torch._foreach_copy_`` (ZeRO-1's streamed write-back, the same cast). Parameters whose
 piece has their dtype share it, so fp32 training holds no copy of the weights beside the master
@@ -36,6 +34,9 @@ parameters over a device fp32 master hold their own 16-bit storage, 2 bytes per 
 beside the activations where the default frees them: that is why it is not the default. Over a
 host master (``offload_optimizer``) the device keeps a 16-bit shard anyway, refreshed in place
 after each step (delayed update included, between steps): the parameters share it and cost nothing.
+Parameters under ``stage3_param_persistence_threshold`` stay the optimizer's to write back
+(ShardedOptimizer._write_back_persistent), as at every ZeRO-3 world size: the checkpoint saves
+them in its model file, so taking them over here would change the checkpoint's layout.
 What a user sees: parameters are never freed, so reading one outside ``GatheredParameters``
 gives its values instead of ``ParameterNotGatheredError``; ``state_dict()`` entries are the
 live parameters' aliases (as in plain torch, they follow training).
@@ -49,7 +50,6 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
-from partita.offload.config import OffloadParamConfig
 from partita.zero.freed import allocate_param, share_values
 
 if TYPE_CHECKING:
@@ -63,16 +63,11 @@ __all__ = ["LocalGather", "local_gathers", "resident_ignored"]
 logger = logging.getLogger("partita")
 
 
-def local_gathers(*, world_size: int, storage: ShardStorage | OffloadParamConfig | None,
-                  groups: list[ShardedParamGroup], hpz: object) -> bool:
+def local_gathers(*, world_size: int, storage: ShardStorage, groups: list[ShardedParamGroup], hpz: object) -> bool:
     """Whether every gather of this gatherer is local: one rank, every group's shards whole on the
-    device (no offload_param: ``storage`` is the built storage, or before it is built the
-    offload_param config), no hpZ (it needs two ranks or more anyway)."""
-    if storage is None or isinstance(storage, OffloadParamConfig):
-        on_device = storage is None or not storage.enabled
-    else:
-        on_device = storage.location == "accelerator"
-    return world_size == 1 and on_device and hpz is None and all(g.layout.num_shards == 1 for g in groups)
+    device (no offload_param), no hpZ (it needs two ranks or more anyway)."""
+    return (world_size == 1 and storage.location == "accelerator" and hpz is None
+            and all(g.layout.num_shards == 1 for g in groups))
 
 
 def resident_ignored(world_size: int, location: str) -> None:

@@ -130,11 +130,10 @@ class ParameterGatherer(TracedForward):
             for param, spec in zip(group.params, group.layout.specs):
                 self._where[param] = (g, spec)
         # Small parameters stay whole on every rank (DeepSpeed's persistence threshold):
-        # gathering them costs more in latency than it saves in memory. Resident at one rank every
-        # parameter is whole anyway, and managed here all are written back with one foreach copy.
-        resident = one_rank_resident and local_gathers(world_size=world_size, storage=offload_param, groups=groups,
-                                                       hpz=hpz)
-        self.persistent = set() if resident else {p for p in self._where if p.numel() <= persistence_threshold}
+        # gathering them costs more in latency than it saves in memory. (Resident at one rank they
+        # stay persistent too: a checkpoint saves persistent parameters in its model file, and the
+        # resident engine's checkpoint must be the default's.)
+        self.persistent = {p for p in self._where if p.numel() <= persistence_threshold}
         # Element counts, read here once: a freed parameter's metadata costs a __torch_function__
         # round trip (partita/zero/freed.py), and the live-element accounting reads it per transition.
         managed = list(itertools.chain(self._where, frozen.params if frozen is not None else ()))
@@ -191,7 +190,7 @@ class ParameterGatherer(TracedForward):
             self._local = LocalGather(self._where, self.storage, frozen, share_trainable=one_rank_resident)
         self.resident: frozenset[nn.Parameter] = frozenset()
         self._hooks = []
-        if resident and self._local is not None:
+        if self._local is not None and one_rank_resident:
             self._make_resident()
             return
         if one_rank_resident:
