@@ -1,6 +1,6 @@
 """``stage3_one_rank_resident`` around the training step: checkpoints, offload_states, generation.
 
-One process, partita's reference GPT (fp32 and bf16, every parameter sharded), ZeRO-3 with and without
+One process, partita's reference GPT (fp32 and bf16; norms and biases persistent, the rest sharded), ZeRO-3 with and without
 the key (zero/one_rank_gather.py [Note: resident parameters]):
 
 - a checkpoint saved by the resident engine after 2 steps is the ZeRO-3 checkpoint of the default
@@ -26,7 +26,8 @@ SHAPE = {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd"
 def _config(resident: bool, bf16: bool) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "bf16": {"enabled": bf16}, "gradient_clipping": 1.0, "steps_per_print": 10**6,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+            # Norms and biases (n_embd elements or fewer) persistent, the rest sharded.
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": SHAPE["n_embd"],
                                   "stage3_one_rank_resident": resident}}
 
 
