@@ -40,6 +40,8 @@ inputs, ReleaseAfterBackward) freeing it: the next use is after the optimizer st
 [Note: rank divergence]: partita/zero/unit_sync.py. The training forward's unit events: traced_forward.py. [Note: holds] (whole until a hold ends): holds.py.
 Units' gathers travel exact, as int8 (ZeRO++ qwZ) or FP8 (Float8Linear weights, fp8.all_gather): gather_wire.py.
 With ZeRO++ hpZ a unit's backward re-gather stays inside a group of ranks: [Note: the secondary partition], hpz.py.
+With one ZeRO rank (shards on the device) a gather is a local fill, and ``stage3_one_rank_resident``
+keeps every parameter whole with no unit hook: [Note: one-rank gathers], one_rank_gather.py.
 
 [Note: where shards live]
 The shards gathers read from are owned by a ``ShardStorage`` (partita/offload/param_offload.py):
