@@ -103,14 +103,15 @@ def reference(micro_batches: int, data: int) -> dict:
     return {"losses": losses, "state": state, "eval": eval_loss}
 
 
-def _config(micro_batches: int, schedule: str, stage: int, checkpoint_interval: int = 0) -> dict:
+def _config(micro_batches: int, schedule: str, stage: int, checkpoint_interval: int = 0,
+            pipeline: dict | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 50},
-        "pipeline": {"schedule": schedule, "activation_checkpoint_interval": checkpoint_interval},
+        "pipeline": {"schedule": schedule, "activation_checkpoint_interval": checkpoint_interval, **(pipeline or {})},
         "steps_per_print": 1000,
     }
 
@@ -129,7 +130,7 @@ def train_pipeline(runs: list[dict]) -> list[dict]:
         model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=lm_loss, partition_method="uniform",
                                seed_layers=True, base_seed=BASE_SEED, virtual_stages=virtual)
         engine, *_ = partita.initialize(model=model, config=_config(m, run["schedule"], run["zero_stage"],
-                                                                    run.get("checkpoint_interval", 0)))
+                                                                    run.get("checkpoint_interval", 0), run.get("pipeline")))
         calls_before = Block.calls
         data, data_rank = engine.topology.data_size, engine.topology.data_rank
         xs, ys = global_batches(m, data)
@@ -174,8 +175,12 @@ def test_pipe_2_every_schedule_matches_torch() -> None:
         {"stages": 2, "micro_batches": 4, "schedule": "interleaved_1f1b", "zero_stage": 0, "virtual_stages": 2},
         # Weight gradients outside autograd's hooks (torch's backward_weight): reduced after the schedule all the same.
         {"stages": 2, "micro_batches": 2, "schedule": "zero_bubble", "zero_stage": 1, "virtual_stages": 2},
-        # Zero bubble with one chunk per rank (ZB-H1): the same split backward over single stages.
-        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0},
+        # Zero bubble with one chunk per rank (ZB-H1), its W the deferred nn.Linear weight gradients
+        # (the default), under activation checkpointing (I recomputes the layers, W still gets their GEMMs) ...
+        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0, "checkpoint_interval": 2},
+        # ... and torch's own split of the autograd graph.
+        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0,
+         "pipeline": {"zero_bubble_weight_split": "autograd"}},
     ]
     results = run_distributed(train_pipeline, 2, runs)
     assert [(r[0]["first"], r[0]["last"]) for r in results] == [(True, False), (False, True)]

@@ -80,7 +80,9 @@ class PipelineEngine(Engine):
         self.stage_id = module.stage_id
         # A stage that fails ends every stage at once, naming itself (partita/pipe/failure.py).
         self._failures = FailureReporter(stage=module.stage_id, rank=topology.rank, device=self.device)
-        self._stages = build_stages(module, device=self.device, group=topology.pipe_group)
+        # zero bubble: nn.Linear weight gradients kept for the W action (partita/pipe/weight_grads.py)
+        defer = self.schedule_name == "zero_bubble" and pipeline.zero_bubble_weight_split == "linear"
+        self._stages = build_stages(module, device=self.device, group=topology.pipe_group, defer_linear_weights=defer)
         # Sequence parallelism: this rank's slice of each sequence, and the loss over the sequence group.
         self._slices = SequenceSlices(rank=topology.sequence_rank, size=topology.sequence_size,
                                       group=topology.sequence_group, mode=config.sequence_parallel.mode

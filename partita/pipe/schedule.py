@@ -43,6 +43,7 @@ from torch.distributed.pipelining import (
 from partita.config.base import ConfigError
 from partita.pipe.module import PipelineModule
 from partita.pipe.sequence import SequenceSlices
+from partita.pipe.weight_grads import DeferredLinearGrads
 
 __all__ = ["ScaledLoss", "build_stages", "build_schedule", "check_micro_batches"]
 
@@ -107,10 +108,27 @@ def check_micro_batches(schedule: str, micro_batches: int, num_stages: int, virt
             )
 
 
-def build_stages(module: PipelineModule, *, device: torch.device, group: dist.ProcessGroup) -> list[PipelineStage]:
-    """One PipelineStage per model chunk this rank holds."""
+class _DeferredStage(PipelineStage):
+    """A stage whose ``nn.Linear`` weight gradients wait for the W action (:mod:`partita.pipe.weight_grads`)."""
+
+    def __init__(self, chunk: Any, index: int, total: int, device: torch.device, *, group: dist.ProcessGroup) -> None:
+        self.deferred = DeferredLinearGrads()
+        self.deferred.patch(chunk)
+        super().__init__(chunk, index, total, device, group=group, dw_builder=self.deferred.builder)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if fwd_chunk_id == 0:  # a new batch: drop what torch's first-step metadata inference kept
+            self.deferred.clear()
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
+def build_stages(module: PipelineModule, *, device: torch.device, group: dist.ProcessGroup,
+                 defer_linear_weights: bool = False) -> list[PipelineStage]:
+    """One PipelineStage per model chunk this rank holds; ``defer_linear_weights``: zero bubble's
+    W computes the ``nn.Linear`` weight gradients (:mod:`partita.pipe.weight_grads`)."""
     total = module.num_stages * module.virtual_stages
-    return [PipelineStage(chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
+    cls = _DeferredStage if defer_linear_weights else PipelineStage
+    return [cls(chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
 
 
 def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: Callable[[Any, Any], Any] | None):
