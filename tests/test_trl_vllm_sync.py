@@ -14,6 +14,8 @@ policy on a base loaded straight into ZeRO-3 shards:
   (LoRA: merged, adapters not sent), as TRL's own sync names them;
 - the rollouts' log-probs (from the synced copy) equal the sharded policy's within 1e-4 at every step
   (TRL logs the largest difference): the generator got the policy's current weights;
+- ``with_partita(RLOOTrainer)`` (plain policy) syncs through the same ``VLLMGeneration``: once per step,
+  the policy's names;
 - a sync after training hands out exactly what ``engine.save_16bit_model`` writes (plain) or
   ``peft_support.merged_state_dict`` gives (LoRA: ``merge_and_unload`` of the unsharded model), bit for
   bit, on every rank; the LoRA policy is left unmerged.
@@ -98,15 +100,16 @@ def _fake_vllm() -> None:
     vllm_generation.SamplingParams = _FakeSamplingParams
 
 
-def _grpo(paths: dict, out: str, model, peft_config=None):
+def _grpo(paths: dict, out: str, model, peft_config=None, *, rloo: bool = False):
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    cls, extra = _wrap(GRPOTrainer, 3)
+    cls, extra = _wrap(RLOOTrainer if rloo else GRPOTrainer, 3)
     if peft_config is not None:
         extra["peft_config"] = peft_config
-    args = GRPOConfig(**_common(out, 2), max_steps=2, num_generations=2, max_completion_length=4, beta=0.1,
-                      use_vllm=True, vllm_mode="colocate")
+    args = (RLOOConfig if rloo else GRPOConfig)(**_common(out, 2), max_steps=2, num_generations=2,
+                                                max_completion_length=4, beta=0.1, use_vllm=True,
+                                                vllm_mode="colocate")
     trainer = cls(model=model, reward_funcs=[_length_reward], args=args, train_dataset=_datasets()["grpo"],
                   processing_class=AutoTokenizer.from_pretrained(paths["tok"]), **extra)
     trainer.train()
@@ -147,6 +150,16 @@ def _on_ranks(paths: dict, out: str) -> dict:
     saved = load_file(os.path.join(out, "plain16", "model.safetensors"))  # every rank reads rank 0's file
     got["plain"]["equal_saved"] = sorted(n for n, t in sent if torch.equal(t, saved[n])) == sorted(saved)
 
+    # RLOO syncs through the same VLLMGeneration (it logs no log-prob difference).
+    trainer = _grpo(paths, os.path.join(out, "rloo"), paths["lm"], rloo=True)
+    fake = _FAKES[-1]
+    got["rloo"] = _summary(trainer, fake)
+    got["rloo"]["policy_names"] = [n for n, _ in trainer.model.named_parameters()]
+    sent = _after_sync(trainer, fake)
+    trainer.engine.save_16bit_model(os.path.join(out, "rloo16"))
+    saved = load_file(os.path.join(out, "rloo16", "model.safetensors"))
+    got["rloo"]["equal_saved"] = sorted(n for n, t in sent if torch.equal(t, saved[n])) == sorted(saved)
+
     with enable_zero3(_partita_config(3)):
         base = AutoModelForCausalLM.from_pretrained(paths["lm"])  # straight into shards
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
@@ -173,6 +186,9 @@ def test_grpo_use_vllm_syncs_partita_weights_at_zero3(tmp_path) -> None:
             assert got["syncs"] == 2 and got["changed"], (key, got["syncs"])  # one per step, the second trained
             assert all(names == got["policy_names"] for names in got["names"]), (key, got["names"][0])
             assert len(got["logp_diff"]) == 2 and max(got["logp_diff"]) < 1e-4, (key, got["logp_diff"])
+        rloo = rank["rloo"]
+        assert rloo["steps"] == 2 and all(math.isfinite(x) for x in rloo["losses"]) and rloo["equal_saved"], rloo
+        assert rloo["syncs"] == 2 and rloo["changed"] and all(n == rloo["policy_names"] for n in rloo["names"])
         assert rank["plain"]["equal_saved"] and rank["lora"]["equal_merged"] and rank["lora"]["unmerged"], (
             rank["plain"]["equal_saved"], rank["lora"]["equal_merged"], rank["lora"]["unmerged"])
     assert not any("lora_" in n for n in r0["lora"]["policy_names"])

@@ -30,7 +30,7 @@ loading and sharding across ranks, is the Trainer's own):
   ``train(resume_from_checkpoint=...)`` resumes from it (weights, optimizer, scheduler, step).
 
 Any ``Trainer`` subclass trains the same way through ``with_partita(TrainerClass)`` (TRL's
-``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``; ``PartitaTrainer`` is
+``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ``RLOOTrainer``, ``KTOTrainer``, ``RewardTrainer``; ``PartitaTrainer`` is
 ``with_partita(Trainer)``): the subclass's own methods run first and partita's replace the
 Trainer's beneath them. Models the Trainer prepares for evaluation only
 (``accelerator.prepare_model(m, evaluation_mode=True)``: TRL's reference and reward models) become
