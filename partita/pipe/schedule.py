@@ -127,8 +127,10 @@ def build_stages(module: PipelineModule, *, device: torch.device, group: dist.Pr
     """One PipelineStage per model chunk this rank holds; ``defer_linear_weights``: zero bubble's
     W computes the ``nn.Linear`` weight gradients (:mod:`partita.pipe.weight_grads`)."""
     total = module.num_stages * module.virtual_stages
-    cls = _DeferredStage if defer_linear_weights else PipelineStage
-    return [cls(chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
+    # The first stage sends no input gradient, so it has nothing to split: torch already runs its whole
+    # backward as W (and an empty I), one pass, cheaper than any split.
+    return [(_DeferredStage if defer_linear_weights and chunk.index > 0 else PipelineStage)(
+        chunk, chunk.index, total, device, group=group) for chunk in module.chunks]
 
 
 def build_schedule(name: str, stages: list[PipelineStage], micro_batches: int, loss: Callable[[Any, Any], Any] | None):
