@@ -160,7 +160,7 @@ def test_unknown_nested_key_suggests_and_lists_valid_keys() -> None:
         "'reduce_bucket_size', 'stage3_prefetch_bucket_size' or 'allgather_bucket_size'? Valid keys: stage, overlap_comm, contiguous_gradients, "
         "reduce_bucket_size, allgather_bucket_size, reduce_scatter, stage3_param_persistence_threshold, "
         "stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_max_reuse_distance, stage3_generation, "
-        "stage3_gather_16bit_weights_on_model_save, zero_quantized_weights, zero_quantized_nontrainable_weights, "
+        "stage3_one_rank_resident, stage3_gather_16bit_weights_on_model_save, zero_quantized_weights, zero_quantized_nontrainable_weights, "
         "zero_quantized_gradients, zero_quantized_gradients_bits, zero_hpz_partition_size, one_rank_free_weights, one_rank_gradient_fold, sub_group_size, offload_optimizer, "
         "offload_param"
     )
