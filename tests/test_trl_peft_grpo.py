@@ -41,18 +41,30 @@ from tests.test_trl_trainers import _build_assets, _common, _datasets, _length_r
 IDS = torch.randint(4, 62, (2, 10), generator=torch.Generator().manual_seed(7))
 
 
-def _lora(init=True):
+def _lora():
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=init)
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
 
 def _peft_model(paths: dict):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(2)  # the adapters' initial weights (gaussian: B is not zero)
-    return get_peft_model(AutoModelForCausalLM.from_pretrained(paths["lm"]), _lora("gaussian"))
+    base = AutoModelForCausalLM.from_pretrained(paths["lm"])
+    torch.manual_seed(2)  # the adapters' A (B: _nonzero)
+    return _nonzero(get_peft_model(base, _lora()))
+
+
+def _nonzero(model):
+    """LoRA's B starts at zero (the adapter then changes nothing): give it seeded values, so a forward
+    with the adapter differs from the base's."""
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return model
 
 
 def _grpo(paths: dict, out: str, model, peft_config=None):
@@ -98,8 +110,8 @@ def _grpo_on_ranks(paths: dict, out: str) -> dict:
 
     got: dict = {}
     whole = AutoModelForCausalLM.from_pretrained(paths["lm"]).eval()
-    torch.manual_seed(2)
-    start = get_peft_model(copy.deepcopy(whole), _lora("gaussian")).eval()  # what the second run starts from
+    torch.manual_seed(0)
+    start = _nonzero(get_peft_model(copy.deepcopy(whole), _lora())).eval()  # what the second run starts from
     with torch.no_grad():
         base_logits, start_logits = whole(input_ids=IDS).logits, start(input_ids=IDS).logits
     # Both bases load straight into ZeRO-3 shards (one zero.Init context for the process): the frozen base
@@ -112,9 +124,10 @@ def _grpo_on_ranks(paths: dict, out: str) -> dict:
     got["new"]["disabled_equal"] = torch.equal(_logits(trainer.model, None), base_logits)
     got["new"]["trained"] = bool((_logits(trainer.model, "default") - base_logits).abs().max() > 0)
     # A PeftModel with beta > 0: TRL copies its adapter into a frozen "ref" adapter.
-    torch.manual_seed(2)  # the same adapters as `start`
-    trainer = _grpo(paths, os.path.join(out, "peft_model"), get_peft_model(bases[1], _lora("gaussian")))
+    torch.manual_seed(0)  # A: the same draws as for `start` (B: _nonzero's own generator)
+    trainer = _grpo(paths, os.path.join(out, "peft_model"), _nonzero(get_peft_model(bases[1], _lora())))
     got["ref"] = _summary(trainer)
+    got["ref"]["start_differs"] = not torch.equal(start_logits, base_logits)  # so ref_equal tells them apart
     got["ref"]["ref_equal"] = torch.equal(_logits(trainer.model, "ref"), start_logits)
     got["ref"]["disabled_equal"] = torch.equal(_logits(trainer.model, None), base_logits)
     got["ref"]["trained"] = bool((_logits(trainer.model, "default") - start_logits).abs().max() > 0)
@@ -160,7 +173,7 @@ def test_trl_with_peft_policies_through_partita(tmp_path) -> None:
         assert got["base_sharded"], key  # the frozen base stayed sharded through rollouts and reference passes
         assert got["kl"][0] == 0.0 and math.isfinite(got["kl"][1]) and got["kl"][1] > 0, got["kl"]
         assert got["disabled_equal"] and got["trained"], got
-    assert r0["ref"]["ref_equal"]  # the frozen "ref" copy is still the adapter before training
+    assert r0["ref"]["start_differs"] and r0["ref"]["ref_equal"]  # the frozen "ref" copy: the adapter before training
 
     plain = _sft(paths, str(tmp_path / "plain_sft"), 4, None)
     want = _loaded_adapters(paths, str(tmp_path / "plain_sft" / "adapters"))

@@ -203,3 +203,34 @@ def test_use_vllm_with_a_trl_lacking_the_weight_read_is_refused() -> None:
                                           r"set use_vllm=False"):
         install_weight_sync(trainer)
     install_weight_sync(SimpleNamespace())  # no vLLM: nothing to do
+
+
+def test_weights_before_the_engine_exists_are_the_model_own(tmp_path) -> None:
+    """Before train() builds the engine (an evaluate() first) the weights come from the model itself:
+    a plain policy's parameters, or a LoRA policy's merge (peft's merge_and_unload of a copy), untouched."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from partita.integrations.trl_weight_sync import generator_weights
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    sent = [(n, t.clone()) for n, t in generator_weights(SimpleNamespace(engine=None, model=model))]
+    assert [n for n, _ in sent] == [n for n, _ in model.named_parameters()]  # the tied head once, as TRL sends it
+    assert all(torch.equal(t, model.get_parameter(n)) for n, t in sent)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # B starts at zero: make the merge change the base weights
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    merged = dict(copy.deepcopy(peft_model).merge_and_unload().named_parameters())
+    sent = [(n, t.clone()) for n, t in generator_weights(SimpleNamespace(engine=None, model=peft_model))]
+    assert [n for n, _ in sent] == list(merged)
+    assert all(torch.equal(t, merged[n]) for n, t in sent)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], before[
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])  # the merge changed it
+    assert all(torch.equal(v, before[k]) for k, v in peft_model.state_dict().items())  # restored bit for bit
