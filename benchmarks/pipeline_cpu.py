@@ -111,7 +111,7 @@ def summarize(launches: list[dict], stages: int) -> list[dict]:
                         row["engine_idle"][s].append(b["engine_bubble"]["idle_fraction"])
     out = []
     for (engine, schedule, v, m), row in rows.items():
-        name = "deepspeed_1f1b" if engine == "deepspeed" else schedule
+        name = "deepspeed_1f1b" if engine == "deepspeed" else schedule.partition("/")[0]  # "zero_bubble/autograd"
         idle = [statistics.median(x) for x in row["idle"]]
         sim = simulated_bubble(name, stages, m, v)
         out.append({
@@ -131,7 +131,8 @@ def summarize(launches: list[dict], stages: int) -> list[dict]:
             "first_batch_loss": row["first_loss"],
         })
     order = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 3}
-    out.sort(key=lambda r: (r["micro_batches"], r["engine"] == "deepspeed", order.get(r["schedule"], 9), r["virtual_stages"]))
+    out.sort(key=lambda r: (r["micro_batches"], r["engine"] == "deepspeed", order.get(r["schedule"].partition("/")[0], 9),
+                            r["virtual_stages"], r["schedule"]))
     return out
 
 
@@ -157,7 +158,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", default="4,8,16")
     parser.add_argument("--schedules", default=None,
                         help="partita's configurations, comma-separated schedule:virtual_stages (default: all of "
-                             "PARTITA_SCHEDULES)")
+                             "PARTITA_SCHEDULES); zero_bubble/autograd: with pipeline.zero_bubble_weight_split "
+                             "\"autograd\" (torch's split)")
     parser.add_argument("--launches", type=int, default=1, help="torchrun jobs, each running every configuration")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed batches per configuration per round")

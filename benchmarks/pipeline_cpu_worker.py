@@ -116,7 +116,10 @@ def build_partita(schedule: str, virtual: int, micro_batches: int, clock: Clock)
     model = PipelineModule([LayerSpec(Block, DIM, HIDDEN) for _ in range(BLOCKS)], num_stages=dist.get_world_size(),
                            loss_fn=clock.wrap("loss", mse), partition_method="uniform", seed_layers=True,
                            base_seed=BASE_SEED, virtual_stages=virtual)
-    engine, *_ = partita.initialize(model=model, config=config(micro_batches, {"pipeline": {"schedule": schedule}}))
+    # "zero_bubble/autograd": the schedule with pipeline.zero_bubble_weight_split "autograd" (torch's split)
+    name, _, split = schedule.partition("/")
+    pipeline = {"schedule": name, **({"zero_bubble_weight_split": split} if split else {})}
+    engine, *_ = partita.initialize(model=model, config=config(micro_batches, {"pipeline": pipeline}))
     for stage in engine._stages:
         for method, name in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
                              ("backward_weight_one_chunk", "backward_weight")):

@@ -175,12 +175,12 @@ def test_pipe_2_every_schedule_matches_torch() -> None:
         {"stages": 2, "micro_batches": 4, "schedule": "interleaved_1f1b", "zero_stage": 0, "virtual_stages": 2},
         # Weight gradients outside autograd's hooks (torch's backward_weight): reduced after the schedule all the same.
         {"stages": 2, "micro_batches": 2, "schedule": "zero_bubble", "zero_stage": 1, "virtual_stages": 2},
-        # Zero bubble with one chunk per rank (ZB-H1), its W the deferred nn.Linear weight gradients
-        # (the default), under activation checkpointing (I recomputes the layers, W still gets their GEMMs) ...
-        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0, "checkpoint_interval": 2},
-        # ... and torch's own split of the autograd graph.
-        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0,
-         "pipeline": {"zero_bubble_weight_split": "autograd"}},
+        # Zero bubble with one chunk per rank (ZB-H1), torch's split ...
+        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0},
+        # ... and with W the deferred nn.Linear weight gradients, under activation checkpointing (I recomputes
+        # the layers, W still gets their GEMMs).
+        {"stages": 2, "micro_batches": 4, "schedule": "zero_bubble", "zero_stage": 0, "checkpoint_interval": 2,
+         "pipeline": {"zero_bubble_weight_split": "linear"}},
     ]
     results = run_distributed(train_pipeline, 2, runs)
     assert [(r[0]["first"], r[0]["last"]) for r in results] == [(True, False), (False, True)]

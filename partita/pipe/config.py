@@ -73,14 +73,15 @@ class PipelineConfig(StrictSection):
         ),
         json_schema_extra=PARTITA_KEY,
     )
-    zero_bubble_weight_split: Literal["linear", "autograd"] = Field(
-        "linear",
+    zero_bubble_weight_split: Literal["autograd", "linear"] = Field(
+        "autograd",
         description=(
             "partita only: how schedule \"zero_bubble\" splits each backward into input (I) and weight (W) "
-            "gradients. \"linear\": I is one full backward in which every exact nn.Linear keeps its input and "
-            "output gradient, and W computes those layers' weight and bias gradients (other parameters get theirs "
-            "in I). \"autograd\": torch's own split of the autograd graph (an input pass, then one pass per "
-            "parameter group; 1.10-1.17x a full backward on CPU). Default \"linear\"."
+            "gradients. \"autograd\": torch's own split of the autograd graph (an input pass, then one pass per "
+            "parameter group). \"linear\" (experimental): I is one full backward in which every exact nn.Linear "
+            "keeps its input and output gradient, W computes those layers' weight and bias gradients; cheaper in "
+            "isolation, but slower inside the CPU pipeline benchmark (benchmarks/results/pipeline_cpu_2026-12-04.md). "
+            "Default \"autograd\"."
         ),
         json_schema_extra=PARTITA_KEY,
     )

@@ -22,7 +22,9 @@ The first stage is left alone (:func:`partita.pipe.schedule.build_stages`): it s
 gradient, and torch already runs its whole backward as one pass in W.
 
 Measured in one process on the pipeline benchmark's blocks (``benchmarks/pipeline_timeline_split_cost.py``):
-I + W = 0.97-1.00x one full backward, against 1.14-1.16x for torch's split.
+I + W = 0.97-1.00x one full backward, against 1.14-1.16x for torch's split. Inside the 2-stage
+CPU pipeline benchmark, though, its steps were 1.2x slower than torch's split (not diagnosed), so
+it is opt-in: ``pipeline.zero_bubble_weight_split "linear"``.
 """
 
 from __future__ import annotations
