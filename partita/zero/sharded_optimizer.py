@@ -490,6 +490,14 @@ class ShardedOptimizer:
         if not specs:
             return  # same decision on every rank: the sharded set is identical
         source = group.upload_copy if group.upload_copy_ready else group.master
+        if group.layout.num_shards == 1 and group.host_transfer is None:
+            # One rank, master beside the model: nothing to gather, so cast each master slice
+            # straight into its parameter (the pack, its cast and the unpack were 2 extra copies).
+            torch._foreach_copy_(
+                [group.params[s.index].data.view(-1) for s in specs],
+                [source[s.partition_offset : s.partition_offset + s.numel] for s in specs],
+            )
+            return
         packed = torch.cat([source[s.partition_offset : s.partition_offset + s.shard_numel] for s in specs])
         if group.host_transfer is not None:
             mine = group.host_transfer.upload(packed, group.model_dtype)  # one upload for all of them
