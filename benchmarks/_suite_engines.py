@@ -1,7 +1,7 @@
 """Engine names of the throughput suite (benchmarks/gpu_throughput.py) and which peer each
 engine is compared with.
 
-A name is ``<family>[<stage>][c][-off|-offd|-offo|-offdo]``:
+A name is ``<family>[<stage>][c][-off|-offd|-offo|-offdo][16]``:
 
 - family ``torch`` (plain torch; DDP on several ranks), ``fsdp2`` (``fully_shard`` per block),
   ``partita<stage>`` or ``deepspeed<stage>`` with a ZeRO stage 0-3;
@@ -10,7 +10,10 @@ A name is ``<family>[<stage>][c][-off|-offd|-offo|-offdo]``:
 - ``-off`` offloads the optimizer to CPU memory (partita and DeepSpeed), ``-offd`` adds
   partita's one-step-delayed update, ``-offo`` partita's exact step overlapped with the next
   forward (``overlap_step_with_forward``), ``-offdo`` the delayed update landing beside the next
-  forward (both keys; all three partita only).
+  forward (both keys; all three partita only);
+- a trailing ``16`` on an offload suffix (``-off16``, ``-offdo16``, ...; partita only) adds
+  ``offload_optimizer.host_step_16bit_grads``: the gradient partition stays bf16 in host memory
+  and the host AdamW reads it directly (issue 33 item 5).
 
 Kept apart from the worker so that the naming and peer rules can be tested without a GPU and
 without launching anything.
@@ -41,6 +44,7 @@ class EngineSpec:
     stage: int | None
     compiled: bool
     offload: str | None  # None, "cpu" ("-off"), "delayed" ("-offd"), "overlap" ("-offo"), "delayed-overlap" ("-offdo")
+    host_16bit_grads: bool = False  # the offload suffix ends in "16": offload_optimizer.host_step_16bit_grads
 
 
 def parse_engine(name: str) -> EngineSpec:
@@ -48,12 +52,16 @@ def parse_engine(name: str) -> EngineSpec:
     worker could not run, before any process is launched."""
     hint = ("use torch, fsdp2, partita0..partita3 or deepspeed0..deepspeed3, with an optional 'c' "
             "(torch.compile per block; not deepspeed) and, for partita/deepspeed, '-off' "
-            "(optimizer offload to CPU; partita also '-offd', delayed update, and '-offo', step overlapped with the forward)")
+            "(optimizer offload to CPU; partita also '-offd', delayed update, '-offo', step overlapped with the forward, "
+            "'-offdo' both, and a trailing '16' on any of them: the host step reads 16-bit gradients)")
     match = _NAME.match(name)
     if match is None:
         raise EngineNameError(f"unknown engine {name!r}: {hint}")
     family, stage_text = match["family"], match["stage"]
     compiled, offload_text = match["compiled"] is not None, match["offload"]
+    host_16bit_grads = offload_text is not None and offload_text.endswith("16")
+    if host_16bit_grads:
+        offload_text = offload_text[: -len("16")]
     if family in STAGED:
         if stage_text is None or int(stage_text) > 3:
             raise EngineNameError(f"engine {name!r} needs a ZeRO stage 0-3 after {family!r}, e.g. {family}2")
@@ -69,8 +77,11 @@ def parse_engine(name: str) -> EngineSpec:
         raise EngineNameError(f"engine {name!r}: the suite has no compiled DeepSpeed variant; use deepspeed{stage_text}")
     if family == "deepspeed" and offload in ("delayed", "overlap", "delayed-overlap"):
         raise EngineNameError(f"engine {name!r}: {offload_text!r} is partita's; use deepspeed{stage_text}-off")
+    if family == "deepspeed" and host_16bit_grads:
+        raise EngineNameError(f"engine {name!r}: the '16' suffix (host_step_16bit_grads) is partita's; "
+                              f"use deepspeed{stage_text}-off")
     return EngineSpec(name=name, family=family, stage=None if stage_text is None else int(stage_text),
-                      compiled=compiled, offload=offload)
+                      compiled=compiled, offload=offload, host_16bit_grads=host_16bit_grads)
 
 
 def suite_engines(*, offload: bool) -> list[str]:

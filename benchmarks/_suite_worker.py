@@ -190,7 +190,8 @@ def _build(spec: EngineSpec, model: Any, args: argparse.Namespace, device: Any, 
         if spec.offload:
             cfg["zero_optimization"]["offload_optimizer"] = {
                 "device": "cpu", "pin_memory": cuda, "delayed_param_update": spec.offload in ("delayed", "delayed-overlap"),
-                "overlap_step_with_forward": spec.offload in ("overlap", "delayed-overlap")}
+                "overlap_step_with_forward": spec.offload in ("overlap", "delayed-overlap"),
+                "host_step_16bit_grads": spec.host_16bit_grads}
         args.predicted_peak_gib = _predicted_peak_gib(model, cfg)
         engine, _, _, _ = partita.initialize(model=model, config=cfg)
     else:

@@ -31,6 +31,8 @@ def test_engine_names_parse_and_bad_names_say_the_fix() -> None:
     assert parse_engine("deepspeed3-off") == EngineSpec("deepspeed3-off", "deepspeed", 3, False, "cpu")
     assert parse_engine("fsdp2c") == EngineSpec("fsdp2c", "fsdp2", None, True, None)
     assert parse_engine("torch") == EngineSpec("torch", "torch", None, False, None)
+    assert parse_engine("partita2-offdo16") == EngineSpec("partita2-offdo16", "partita", 2, False, "delayed-overlap", True)
+    assert parse_engine("partita2-off16").host_16bit_grads and not parse_engine("partita2-off").host_16bit_grads
     bad = {
         "partita": "needs a ZeRO stage 0-3",
         "partita4": "needs a ZeRO stage 0-3",
@@ -38,6 +40,8 @@ def test_engine_names_parse_and_bad_names_say_the_fix() -> None:
         "deepspeed2-offd": "use deepspeed2-off",
         "torch-off": "only partita and deepspeed engines offload",
         "partita2-offx": "unknown offload suffix '-offx'",
+        "partita2-offx16": "unknown offload suffix '-offx'",
+        "deepspeed2-off16": "is partita's; use deepspeed2-off",
         "torch1": "takes no ZeRO stage",
         "megatron": "unknown engine 'megatron'",
     }
@@ -60,6 +64,7 @@ def test_peers_compare_like_with_like() -> None:
         "partita3c": ("fsdp2c", None, "torchc"),  # no compiled DeepSpeed: no mixed ratio
         "partita2-off": ("fsdp2", "deepspeed2-off", "torch"),
         "partita2-offd": ("fsdp2", "deepspeed2-off", "torch"),
+        "partita2-offdo16": ("fsdp2", "deepspeed2-off", "torch"),
         "deepspeed1": ("fsdp2", None, "torch"),
         "fsdp2c": (None, None, "torchc"),
         "torch": ("fsdp2", None, None),
