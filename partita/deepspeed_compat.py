@@ -75,15 +75,6 @@ TOP_LEVEL: dict[str, str] = {
 ENGINE: dict[str, str] = {
     "train_batch": f"engine.train_batch() belongs to DeepSpeed's PipelineEngine: {_PIPE}",
     "eval_batch": f"engine.eval_batch() belongs to DeepSpeed's PipelineEngine: {_PIPE}",
-    "no_sync": (
-        "engine.no_sync() is not in partita: the engine already reduces gradients only at the accumulation "
-        "boundary (ZeRO 0/1; ZeRO 2/3 reduce each micro-batch by design); set gradient_accumulation_steps in the "
-        "config instead of skipping reductions by hand"
-    ),
-    "set_gradient_accumulation_boundary": (
-        "engine.set_gradient_accumulation_boundary() is not in partita: the boundary follows gradient_accumulation_steps "
-        "(engine.is_gradient_accumulation_boundary() says where you are)"
-    ),
     "set_train_batch_size": "engine.set_train_batch_size() is not in partita: batch sizes are fixed at initialize()",
     "set_train_micro_batch_size": "engine.set_train_micro_batch_size() is not in partita: batch sizes are fixed at initialize()",
     "module_state_dict": (

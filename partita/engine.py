@@ -12,6 +12,7 @@ sequences them and keeps the counters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -57,8 +58,11 @@ class Engine:
         lr_scheduler=None,
         config=None,
         training_dataloader=None,
+        autocast=None,
     ) -> None:
         self.module = module
+        # torch_autocast (partita/precision/autocast.py): fp32 parameters, forward under torch.autocast.
+        self.autocast = autocast
         self.zero = zero
         self.optimizer = zero.optimizer
         self.lr_scheduler = lr_scheduler
@@ -78,6 +82,13 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._backward_pending = False
+        # Accumulation driven by the client (DeepSpeed's set_gradient_accumulation_boundary / no_sync):
+        # the boundary it set (None: follow gradient_accumulation_steps), whether no_sync is open, whether
+        # backward may run again before step(), and whether the window's last backward reduced.
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
+        self._manual_window = False
+        self._last_backward_reduced = True
         self._step_log = StepLogger(engine=self)  # needs device, topology, module, config set above
         from partita.checkpoint.preemption import PreemptionGuard
 
@@ -108,6 +119,12 @@ class Engine:
             mode=config.zero_optimization.stage3_generation if config is not None else "auto",
             static_decoding=static_decoding)
         self._generate_wrapper = install_generate(module, self._generation)
+        from partita.schedules.forward_kwargs import build_forward_schedules
+
+        # progressive_layer_drop / legacy curriculum_learning: extra forward kwargs (partita/schedules), DeepSpeed's names.
+        self._forward_schedules = build_forward_schedules(config, module)
+        self.progressive_layer_drop = getattr(self._forward_schedules, "pld", None)
+        self.curriculum_scheduler_legacy = getattr(self._forward_schedules, "curriculum", None)
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails; forward to the module like DeepSpeed.
@@ -139,12 +156,49 @@ class Engine:
         """True when training in bf16 (config ``bf16.enabled``), as DeepSpeed's."""
         return self.compute_dtype == torch.bfloat16
 
+    def torch_autocast_enabled(self) -> bool:
+        """True when the config's ``torch_autocast`` section is enabled, as DeepSpeed's."""
+        return self.autocast is not None
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward autocasts to (None without ``torch_autocast``), as DeepSpeed's."""
+        return self.autocast.dtype if self.autocast is not None else None
+
     def zero_optimization_stage(self) -> int:
         return self.zero.policy.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True while computing the last micro-batch of an accumulation window."""
+        """True while computing the last micro-batch of an accumulation window (the value given to
+        :meth:`set_gradient_accumulation_boundary`, once called)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self._batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual boundary (Accelerate calls it before every backward): backward reduces and
+        ``step()`` updates only while it is True; backward may run several times before one ``step()``.
+        Each backward still scales its loss by 1 / gradient_accumulation_steps, as DeepSpeed's."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary(is_boundary) takes True or False, got {is_boundary!r}")
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's ``no_sync()``: backwards inside accumulate gradients on this rank without reducing
+        them; the next backward outside reduces everything accumulated. ZeRO 0/1 only; ``step()`` inside
+        is refused, as in DeepSpeed."""
+        if self.zero.policy.stage >= 2 or self.zero.reducer.wants_reduction_every_micro_batch():
+            raise ValueError(
+                f"engine.no_sync() cannot be used at ZeRO stage {self.zero.policy.stage}: ZeRO-2/3 reduce and "
+                "partition the gradients of every micro-batch (DeepSpeed refuses it too); set "
+                "gradient_accumulation_steps in the config and call backward/step each micro-batch instead")
+        if self._inside_no_sync:
+            raise RuntimeError("engine.no_sync() was entered again inside engine.no_sync(); it does not nest")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
 
     # ------------------------------------------------------------------ modes
     def train(self, mode: bool = True) -> Engine:
@@ -228,9 +282,15 @@ class Engine:
         """Run the module; floating-point tensor inputs are cast to the compute dtype."""
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floating(args, self.compute_dtype), _cast_floating(kwargs, self.compute_dtype)
+        if self._forward_schedules is not None:
+            kwargs = {**kwargs, **self._forward_schedules.forward_kwargs(training=self.module.training,
+                                                                         global_steps=self.global_steps)}
         if self.module.training and torch.is_grad_enabled():
             self._samples.observe_forward(args, kwargs)
         with self._step_log.forward_scope(args, kwargs):
+            if self.autocast is not None:
+                with self.autocast.forward_context():  # torch_autocast: only the forward, as DeepSpeed
+                    return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
@@ -238,7 +298,7 @@ class Engine:
         (every micro-batch under ZeRO-2) are reduced across ranks before this returns."""
         if self._offloaded_states is not None:
             self._offloaded_states.refuse("engine.backward()")
-        if self._backward_pending:
+        if self._backward_pending and not self._manual_window:
             raise RuntimeError(
                 "engine.backward() was called twice without engine.step() in between; "
                 "call engine.step() after every engine.backward() (it only updates at the "
@@ -257,7 +317,10 @@ class Engine:
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         scaled = loss.float() * (scale / self._batch.gradient_accumulation_steps)
         reducer = self.zero.reducer
-        reduce_now = self.is_gradient_accumulation_boundary() or reducer.wants_reduction_every_micro_batch()
+        reduce_now = ((self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+                      or reducer.wants_reduction_every_micro_batch())
+        self._manual_window = self._boundary_override is not None or self._inside_no_sync
+        self._last_backward_reduced = reduce_now
         with self._step_log.backward_scope():
             reducer.begin_backward(reduce=reduce_now)
             with self._step_log.timer("backward_inner"):
@@ -279,7 +342,16 @@ class Engine:
             self._offloaded_states.refuse("engine.step()")
         if not self._backward_pending:
             raise RuntimeError("engine.step() was called without engine.backward(loss) for this micro-batch")
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the no_sync block first "
+                               "(its gradients were not reduced), as DeepSpeed requires")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and not self._last_backward_reduced:
+            raise RuntimeError(
+                "engine.step() at the accumulation boundary, but the last backward did not reduce the gradients "
+                "across ranks (it ran inside engine.no_sync() or before set_gradient_accumulation_boundary(True)); "
+                "run the window's last backward outside no_sync with the boundary set, then step()")
+        self._manual_window = False
         self._backward_pending = False
         self.micro_steps += 1
         self._step_applied = False
@@ -318,6 +390,8 @@ class Engine:
                     scale,
                     self.loss_scaler.scale,
                 )
+        if self._forward_schedules is not None:
+            self._forward_schedules.at_boundary(self.global_steps)  # PLD's theta, from the step count before it advances
         self.global_steps += 1
         self.global_samples += samples
         self._step_log.end_step(self)
@@ -332,6 +406,7 @@ class Engine:
         self.zero.reducer.take_received()
         self._samples.drop_window()
         self._backward_pending = False
+        self._manual_window = False
 
     # ------------------------------------------------------------------ checkpoints (partita/checkpoint)
     def save_checkpoint(
@@ -386,6 +461,10 @@ class Engine:
 
     def was_step_applied(self) -> bool:
         return self._step_applied
+
+    def get_pld_theta(self) -> float | None:
+        """Progressive layer drop's current theta (None when it is off), as DeepSpeed's."""
+        return None if self.progressive_layer_drop is None else self.progressive_layer_drop.get_theta()
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
