@@ -190,7 +190,8 @@ def initialize(
         # 8-bit optimizers quantise blocks of the partition: shards must be whole blocks.
         alignment=required_alignment(cfg.optimizer if optimizer is None else None),
         comm_dtype=_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
-        predivide_factor=cfg.gradient_predivide_factor,
+        # prescale_gradients: divide by the averaging world before the sum (nothing left to divide after).
+        predivide_factor=float(topology.zero_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor,
         accumulate_in_fp32=cfg.data_types.grad_accum_dtype == "fp32" and compute_dtype != torch.float32,
         aio=cfg.aio,
         param_comms=expert_comms,

@@ -19,7 +19,6 @@ from tests._config_helpers import only_problem, problems_of
     [
         ({"comet": {"enabled": True, "project": "p"}}, "comet"),
         ({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.5}}, "flops_profiler.recompute_fwd_factor"),
-        ({"prescale_gradients": True}, "prescale_gradients"),
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
         ({"memory_breakdown": True}, "memory_breakdown"),
         ({"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": True}},
@@ -79,9 +78,9 @@ def test_a_boolean_is_not_mistaken_for_a_numeric_default() -> None:
 def test_unsupported_table_holds_the_documented_sections() -> None:
     top = set(UNSUPPORTED[()])
     for key in ("comet", "seq_parallel_communication_data_type",
-                "prescale_gradients", "amp",
+                "amp",
                 "data_efficiency", "compression_training", "moe",
-                "zero_allow_untested_optimizer", "memory_breakdown", "dump_state", "prescale_gradients"):  # fmt: skip
+                "zero_allow_untested_optimizer", "memory_breakdown", "dump_state"):  # fmt: skip
         assert key in top, key
     # Nothing partita implements is listed as unsupported.
     assert not top & set(PartitaConfig.model_fields)

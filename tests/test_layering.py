@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config"]),
     ("distributed", ["distributed", "sample_count"]),
     ("model", ["models", "tensor_parallel", "sequence", "moe", "activation_checkpointing", "compile", "precision",
-               "data", "param_groups"]),
+               "data", "param_groups", "schedules"]),
     ("states", ["zero", "offload", "optim", "estimate"]),
     ("observe", ["monitor", "step_log", "checkpoint"]),
     ("engine", ["engine", "pipe", "inference"]),

@@ -228,6 +228,8 @@ def _restore(
         engine.global_samples = counters["global_samples"]
         engine.skipped_steps = counters["skipped_steps"]
         engine.micro_steps = counters["micro_steps"]
+        if getattr(engine, "_forward_schedules", None) is not None:  # PLD theta, curriculum difficulty (partita/schedules)
+            engine._forward_schedules.load_state_dict(meta.get("forward_schedules"), global_steps=engine.global_steps)
         _load_rng(reader, meta)
         _load_sampler(engine, meta)
         return decode(meta["client_state"], tensor=tensor_of)

@@ -269,6 +269,9 @@ def shared_plan(engine: Engine, names: dict[torch.nn.Parameter, str], tensor_sha
         if engine.lr_scheduler is None
         else encode(engine.lr_scheduler.state_dict(), path="lr_scheduler", sink=sink),
         "sampler": _sampler_state(engine),
+        # progressive_layer_drop / legacy curriculum_learning (partita/schedules); DeepSpeed saves neither.
+        "forward_schedules": None if getattr(engine, "_forward_schedules", None) is None
+        else engine._forward_schedules.state_dict(),
         "client_state": encode(client_state, path="client_state", sink=sink),
         "rank_files": [fmt.rank_file(r) for r in range(dist.get_world_size())],
         "state_file": fmt.STATE_FILE,

@@ -32,6 +32,7 @@ from partita.offload.config import AioConfig
 from partita.optim.config import OptimizerConfig, SchedulerConfig
 from partita.precision.config import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from partita.precision.fp8_config import FP8Config
+from partita.schedules.config import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from partita.inference.generation_config import GenerationSectionConfig
 from partita.ops.sparse_attention.config import SparseAttentionConfig
 from partita.pipe.config import PipelineConfig
@@ -171,6 +172,28 @@ class PartitaConfig(StrictSection):
         description=(
             "Gradients are divided by this factor before the cross-rank sum and by world/factor "
             "after, so fp16 sums over many ranks do not overflow. DeepSpeed default 1.0."
+        ),
+    )
+    prescale_gradients: bool = Field(
+        False,
+        description=(
+            "Divide each gradient by the data-parallel size before the cross-rank sum instead of after (the "
+            "sum is then the mean; fp16 sums stay in range). Leave gradient_predivide_factor at 1.0 with it. "
+            "DeepSpeed default false."
+        ),
+    )
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(
+        default_factory=ProgressiveLayerDropConfig,
+        description=(
+            "Progressive layer drop: training forwards get progressive_layer_drop=True, pld_theta=theta(t). "
+            "DeepSpeed 0.18.9's section (0.19 removed it). Default: disabled."
+        ),
+    )
+    curriculum_learning: CurriculumLearningConfig = Field(
+        default_factory=CurriculumLearningConfig,
+        description=(
+            "Legacy curriculum learning: a difficulty schedule; for curriculum_type seqlen training forwards get "
+            "curriculum_seqlen=<difficulty>. DeepSpeed 0.18.9's section (0.19 removed it). Default: disabled."
         ),
     )
     checkpoint: CheckpointConfig = Field(
@@ -332,6 +355,18 @@ def cross_section_problems(raw: Mapping[str, Any]) -> list[Problem]:
                     "fp16 and bf16 are both enabled; a run trains in one precision. Set "
                     "bf16.enabled to false to train in fp16, or fp16.enabled to false to train "
                     "in bf16 (bf16 needs no loss scaling; prefer it on GPUs that support it)"
+                ),
+            )
+        )
+    predivide = raw.get("gradient_predivide_factor", 1.0)
+    if raw.get("prescale_gradients") is True and isinstance(predivide, (int, float)) and predivide != 1.0:
+        problems.append(
+            Problem(
+                path="prescale_gradients, gradient_predivide_factor",
+                message=(
+                    f"prescale_gradients divides by the data-parallel size before the sum, so gradient_predivide_factor "
+                    f"{predivide} has no effect (DeepSpeed ignores it); remove gradient_predivide_factor, or set "
+                    "prescale_gradients to false to divide by the factor before the sum and by world/factor after"
                 ),
             )
         )

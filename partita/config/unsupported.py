@@ -101,16 +101,9 @@ UNSUPPORTED: dict[tuple[str, ...], dict[str, Unsupported]] = {
     (): {
         "comet": Unsupported(_off(), _MONITOR),
         "seq_parallel_communication_data_type": Unsupported("fp32"),
-        "prescale_gradients": Unsupported(
-            False,
-            "DeepSpeed's prescale_gradients: true divides each gradient by the data-parallel size before the sum; "
-            'partita does the same with "gradient_predivide_factor": <data-parallel size>.',
-        ),
         "amp": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
         "torch_autocast": Unsupported(_off(), 'Use "bf16": {"enabled": true} or "fp16": {"enabled": true}.'),
         "data_efficiency": Unsupported(_off()),
-        "curriculum_learning": Unsupported(_off()),
-        "progressive_layer_drop": Unsupported(_off()),
         "eigenvalue": Unsupported(_off()),
         "compression_training": Unsupported({}),
         "hybrid_engine": Unsupported(_off()),

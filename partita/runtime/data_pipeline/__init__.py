@@ -1,10 +1,11 @@
 """``deepspeed.runtime.data_pipeline``: DeepSpeed's data-efficiency library (curriculum learning,
-random layerwise token dropping, data sampling and analysis). None of it is in partita: its
-submodules ``curriculum_scheduler`` and ``data_routing.helper`` import, and each name raises
+random layerwise token dropping, data sampling and analysis). partita has the legacy curriculum's
+``curriculum_scheduler.CurriculumScheduler`` (the top-level ``"curriculum_learning"`` section); the
+rest is not in partita: ``data_routing.helper`` imports, and each of its names raises
 :class:`partita.MissingDeepSpeedFeature` saying so."""
 
-_WHY = ("DeepSpeed's data-efficiency library (curriculum learning, random-LTD) is not part of partita; a "
-        "config that enables \"curriculum_learning\" or \"data_efficiency\" is refused at initialize")
+_WHY = ("DeepSpeed's data-efficiency library (data sampling, random-LTD) is not part of partita; a "
+        "config that enables \"data_efficiency\" is refused at initialize")
 
 from partita.runtime._missing import submodules  # noqa: E402
 

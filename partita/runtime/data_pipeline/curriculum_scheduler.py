@@ -1,16 +1,7 @@
-"""``deepspeed.runtime.data_pipeline.curriculum_scheduler``: ``CurriculumScheduler`` is refused
-(Megatron-DeepSpeed imports it for seqlen-based curriculum learning)."""
+"""``deepspeed.runtime.data_pipeline.curriculum_scheduler``: DeepSpeed's ``CurriculumScheduler``, built from
+the legacy ``"curriculum_learning"`` dict (Megatron-DeepSpeed builds it itself and calls
+``update_difficulty(iteration + 1)``); partita's :class:`partita.schedules.curriculum.CurriculumScheduler`."""
 
-from partita.runtime._missing import refuse
-from partita.runtime.data_pipeline import _WHY
+from partita.schedules.curriculum import CurriculumScheduler
 
-__all__: list[str] = []
-
-MISSING = {
-    "CurriculumScheduler": (
-        f"deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler is not in partita: {_WHY}; to "
-        "grow the sequence length by hand, cut each batch to the length you want before engine(batch)"
-    ),
-}
-
-__getattr__ = refuse(__name__, MISSING)
+__all__ = ["CurriculumScheduler"]
